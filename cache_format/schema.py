@@ -1,0 +1,210 @@
+"""The store manifest: what produced a store and how its bytes are laid out.
+
+The manifest lives in the root group's attributes under the key ``"draftcache"``. It is written
+once when the store is created and never changes while writers run; what changes (which shards are
+committed, whether the store is finalized) lives in the done-logs and in ``"draftcache_state"``.
+A reader refuses a ``format_version`` it does not know instead of guessing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_format.errors import CacheFormatError, UnknownFormatVersionError
+
+__all__ = [
+    "COMPRESSIONS",
+    "DTYPES",
+    "FORMAT_VERSION",
+    "LAYER_CONVENTION",
+    "DatasetInfo",
+    "Manifest",
+    "TargetInfo",
+    "bucket_of",
+    "default_bucket_bounds",
+    "manifest_differences",
+]
+
+FORMAT_VERSION = 1
+DTYPES = ("bfloat16", "fp8_e4m3")
+COMPRESSIONS = ("none", "blosc-zstd1")
+# Layer id i is the output of decoder layer i, which is HF `hidden_states[i + 1]` (index 0 is the
+# embedding output). vLLM counts the other way round (+1): see train/README.md.
+LAYER_CONVENTION = "output of decoder layer i = HF hidden_states[i+1]"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetInfo:
+    """Identity and shape of the target model whose hidden states are stored."""
+
+    name: str
+    """Path or name the target was loaded from."""
+    sha256: str
+    """sha256 of the weights file (GGUF) or of the config JSON (HF directory)."""
+    num_layers: int
+    """Number of decoder layers N."""
+    hidden_size: int
+    """Hidden size H."""
+    vocab_size: int
+    """Rows of the input embedding (and of lm_head)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The target's HF config as a dict: drafter dims (heads, rope, eps) default to it."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_layers", "hidden_size", "vocab_size"):
+            if int(getattr(self, key)) <= 0:
+                raise ValueError(f"target {key} must be positive, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetInfo:
+    """Which data was rendered into the store."""
+
+    path: str
+    sha256: str
+    num_records: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Everything a reader needs to interpret a store, and everything that must match on resume."""
+
+    target: TargetInfo
+    """The model that produced the hidden states."""
+    tokenizer_sha256: str
+    """sha256 over the tokenizer vocabulary and chat template."""
+    layer_ids: tuple[int, ...]
+    """Tapped layers, in stored order (see LAYER_CONVENTION)."""
+    last_hidden: bool
+    """Whether `last_hidden` [T, H] (the final hidden state) is stored."""
+    dataset: DatasetInfo
+    """The JSONL the samples came from."""
+    max_len: int
+    """Samples were truncated (or dropped) to this many tokens."""
+    bucket_bounds: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    """Upper bounds (inclusive) of the length buckets; longer samples go to a last open bucket."""
+    dtype: str = "bfloat16"
+    """Stored dtype of hidden states: bfloat16 (as uint16 bits) or fp8_e4m3 with per-token scales."""
+    compression: str = "none"
+    """none, or blosc-zstd1 (blosc zstd level 1, byte shuffle, 1 MiB blocks)."""
+    rows_per_shard: int = 2048
+    """Tokens per shard: the unit one writer writes whole."""
+    rows_per_chunk: int = 32
+    """Tokens per inner chunk: the unit a reader decodes."""
+    last_hidden_post_norm: bool = True
+    """`last_hidden` is taken after the target's final norm (lm_head input)."""
+    layer_convention: str = LAYER_CONVENTION
+    """How layer ids map to model outputs."""
+    extract_config: dict[str, Any] = field(default_factory=dict)
+    """The extraction config that wrote the store."""
+    format_version: int = FORMAT_VERSION
+    """Version of this layout; readers refuse versions they do not know."""
+
+    def __post_init__(self) -> None:
+        if self.format_version != FORMAT_VERSION:
+            raise UnknownFormatVersionError(
+                f"store format_version {self.format_version} is not supported "
+                f"(this draftcache reads version {FORMAT_VERSION})"
+            )
+        if not self.layer_ids:
+            raise ValueError("layer_ids must not be empty")
+        for lid in self.layer_ids:
+            if not 0 <= lid < self.target.num_layers:
+                raise ValueError(f"layer id {lid} out of range for a {self.target.num_layers}-layer target")
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"layer_ids has duplicates: {list(self.layer_ids)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+        if list(self.bucket_bounds) != sorted(set(self.bucket_bounds)) or not self.bucket_bounds:
+            raise ValueError(f"bucket_bounds must be strictly increasing, got {list(self.bucket_bounds)}")
+        if self.rows_per_chunk <= 0 or self.rows_per_shard % self.rows_per_chunk:
+            raise ValueError("rows_per_shard must be a positive multiple of rows_per_chunk")
+        if self.max_len <= 0:
+            raise ValueError(f"max_len must be positive, got {self.max_len}")
+
+    @property
+    def num_layers_stored(self) -> int:
+        return len(self.layer_ids)
+
+    @property
+    def row_width(self) -> int:
+        """Width K*H of one token's row in `hidden`."""
+        return len(self.layer_ids) * self.target.hidden_size
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_bounds) + 1
+
+    def bucket_range(self, bucket: int) -> tuple[int, int]:
+        """Inclusive (lo, hi) token lengths of a bucket; the last bucket is capped by max_len."""
+        lo = 1 if bucket == 0 else self.bucket_bounds[bucket - 1] + 1
+        hi = self.bucket_bounds[bucket] if bucket < len(self.bucket_bounds) else max(self.max_len, lo)
+        return lo, hi
+
+    def bytes_per_token(self) -> int:
+        """Uncompressed bytes one token costs in the store."""
+        hidden = self.row_width * (2 if self.dtype == "bfloat16" else 1)
+        scales = 4 * len(self.layer_ids) if self.dtype == "fp8_e4m3" else 0
+        last = 2 * self.target.hidden_size if self.last_hidden else 0
+        return hidden + scales + last + 4 + 1  # + input_ids int32 + loss_mask uint8
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_ids"] = list(self.layer_ids)
+        d["bucket_bounds"] = list(self.bucket_bounds)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        if not isinstance(d, dict) or "format_version" not in d:
+            raise CacheFormatError("manifest is missing or has no format_version")
+        version = d["format_version"]
+        if version != FORMAT_VERSION:
+            raise UnknownFormatVersionError(
+                f"store format_version {version} is not supported (this draftcache reads version {FORMAT_VERSION})"
+            )
+        d = dict(d)
+        d["target"] = TargetInfo(**d["target"])
+        d["dataset"] = DatasetInfo(**d["dataset"])
+        d["layer_ids"] = tuple(d["layer_ids"])
+        d["bucket_bounds"] = tuple(d["bucket_bounds"])
+        try:
+            return cls(**d)
+        except TypeError as e:  # an unknown or missing key
+            raise CacheFormatError(f"manifest does not match format version {version}: {e}") from None
+
+
+def default_bucket_bounds(max_len: int) -> tuple[int, ...]:
+    """Powers of two from 256 below max_len, then max_len itself (so no open bucket is used)."""
+    bounds = [b for b in (256, 512, 1024, 2048, 4096, 8192, 16384, 32768) if b < max_len]
+    return tuple(bounds + [max_len])
+
+
+def bucket_of(length: int, bounds: tuple[int, ...]) -> int:
+    """Index of the bucket a sample of `length` tokens belongs to (bounds are inclusive uppers)."""
+    return bisect.bisect_left(bounds, length)
+
+
+# Fields whose change makes an existing store unusable for a resumed run.
+_RESUME_KEYS = (
+    "target.name", "target.sha256", "layer_ids", "last_hidden", "dataset.sha256", "max_len",
+    "dtype", "compression", "bucket_bounds", "rows_per_shard", "rows_per_chunk", "tokenizer_sha256",
+)
+
+
+def manifest_differences(old: Manifest, new: Manifest) -> list[str]:
+    """Human-readable list of the settings that differ between two manifests."""
+    a, b = old.to_dict(), new.to_dict()
+    out = []
+    for key in _RESUME_KEYS:
+        va, vb = a, b
+        for part in key.split("."):
+            va, vb = va[part], vb[part]
+        if va != vb:
+            out.append(f"{key}: store has {va!r}, now {vb!r}")
+    return out

@@ -1,0 +1,286 @@
+"""Creating a store, and the per-process writer that commits whole shards.
+
+Commit protocol (one writer process per GPU rank, each with its own writer id):
+1. A writer owns its arrays `w{id}/b{bucket}/*` outright; no other process ever writes them, so
+   zarr's lost-update race on shared shards cannot happen (../shared/docs/zarr.md §2).
+2. Rows are buffered per bucket until a shard (`rows_per_shard` tokens) is full; the shard is
+   then written whole (zarr's LocalStore writes via temp file + rename, so never torn).
+3. Only after the write returns is one line appended to the writer's done-log and fsync'd: the
+   samples that ended in that shard, and a crc32c of every array's shard rows. A sample that is
+   not in a done-log does not exist for readers.
+4. `flush()` (and `close()`) also write the incomplete tail shard; a later write rewrites it whole
+   with more rows, and its newer log entry supersedes the old checksum.
+5. On reopen, the writer drops everything past its last commit: `*.partial` files, rows beyond
+   the committed end (arrays are shrunk back), and a torn last log line.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+
+from cache_format.codec import bf16_to_bits, checksum, compressors_for, file_checksum, quantize_fp8
+from cache_format.errors import CacheFormatError, ManifestMismatchError
+from cache_format.layout import (
+    FROZEN_FILE,
+    MANIFEST_KEY,
+    STATE_KEY,
+    TokenArray,
+    atomic_write_bytes,
+    commit_log_path,
+    group_key,
+    read_manifest,
+    shard_file,
+    token_arrays,
+    update_root_attrs,
+)
+from cache_format.logs import read_commit_log
+from cache_format.schema import Manifest, bucket_of, manifest_differences
+
+__all__ = ["ShardWriter", "create_store", "write_frozen"]
+
+
+def create_store(path: str | os.PathLike, manifest: Manifest, *, overwrite: bool = False) -> None:
+    """Create a store (rank 0, before any writer opens), or check an existing one for resume.
+
+    An existing store written with other settings is refused with each difference listed, unless
+    `overwrite`, which deletes it first.
+    """
+    root = Path(path)
+    if (root / "zarr.json").exists():
+        if overwrite:
+            shutil.rmtree(root)
+        else:
+            old = read_manifest(root)
+            diffs = manifest_differences(old, manifest)
+            if diffs:
+                raise ManifestMismatchError(str(root), diffs)
+            # Resuming: the store is being written again, so it is no longer final.
+            update_root_attrs(root, **{STATE_KEY: {"finalized": False}})
+            return
+    elif root.exists() and any(root.iterdir()):
+        raise CacheFormatError(f"{root}: exists and is not a draftcache store; choose another path")
+    root.mkdir(parents=True, exist_ok=True)
+    with _os_errors(root):
+        zarr.open_group(str(root), mode="w", attributes={
+            MANIFEST_KEY: manifest.to_dict(), STATE_KEY: {"finalized": False}})
+        (root / "commits").mkdir(exist_ok=True)
+
+
+def write_frozen(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
+    """Save the target's frozen parts (embedding, lm_head, final norm) into the store, atomically."""
+    from safetensors.torch import save
+
+    data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+    with _os_errors(Path(path)):
+        atomic_write_bytes(Path(path) / FROZEN_FILE, data)
+
+
+@contextmanager
+def _os_errors(where: Path) -> Iterator[None]:
+    """Turn OS failures (disk full, permissions) into one-line errors naming the store."""
+    try:
+        yield
+    except OSError as e:
+        hint = "; free space and rerun the same command to resume" if e.errno == errno.ENOSPC else ""
+        raise CacheFormatError(f"{where}: {e.strerror or e} while writing{hint}") from None
+
+
+@dataclass
+class _Bucket:
+    """One bucket's shard buffer: rows [base, base + fill) of the arrays, not yet all written."""
+
+    base: int
+    fill: int
+    buf: dict[str, np.ndarray]
+    pending: list[tuple[int, int, int]] = field(default_factory=list)  # (sample id, length, end row)
+
+
+class ShardWriter:
+    """Writes samples of one writer id into whole shards and commits them to its done-log."""
+
+    def __init__(self, path: str | os.PathLike, *, writer_id: int) -> None:
+        self.root = Path(path)
+        self.writer_id = writer_id
+        self.manifest = read_manifest(self.root)
+        self._arrays = token_arrays(self.manifest)
+        self._rows = self.manifest.rows_per_shard
+        self._log_path = commit_log_path(self.root, writer_id)
+        self._buckets: dict[int, _Bucket] = {}
+        self._zarr: dict[int, dict[str, zarr.Array]] = {}
+        self.fp8_err = [0.0, 0.0]  # sum of squared error, sum of squares (fp8 only)
+        with _os_errors(self.root):
+            self.committed: set[int] = self._recover()
+
+    # ---------------------------------------------------------------- recovery
+    def _recover(self) -> set[int]:
+        for p in (self.root / f"w{self.writer_id:05d}").rglob("*.partial"):
+            p.unlink(missing_ok=True)
+        log, _ = read_commit_log(self._log_path, repair=True)
+        committed: set[int] = set()
+        rows_by_bucket: dict[int, int] = {}
+        for entry in log:
+            for sid, length in entry["samples"]:
+                committed.add(int(sid))
+                rows_by_bucket[entry["bucket"]] = rows_by_bucket.get(entry["bucket"], 0) + int(length)
+        for b, committed_rows in rows_by_bucket.items():
+            arrays = self._open(b)
+            base = committed_rows - committed_rows % self._rows
+            bucket = self._new_bucket(base)
+            for a in self._arrays:
+                z = arrays[a.name]
+                z.resize((committed_rows, *z.shape[1:]))  # forget uncommitted rows
+                bucket.buf[a.name][: committed_rows - base] = z[base:committed_rows]
+            bucket.fill = committed_rows - base
+            self._buckets[b] = bucket
+        return committed
+
+    def _new_bucket(self, base: int) -> _Bucket:
+        buf = {a.name: np.empty((self._rows, a.width) if a.width else (self._rows,), dtype=a.dtype)
+               for a in self._arrays}
+        return _Bucket(base=base, fill=0, buf=buf)
+
+    def _open(self, bucket: int) -> dict[str, zarr.Array]:
+        """This writer's arrays for `bucket`, created empty on first use."""
+        if bucket in self._zarr:
+            return self._zarr[bucket]
+        key = group_key(self.writer_id, bucket)
+        m = self.manifest
+        out = {}
+        if (self.root / key / "zarr.json").exists():
+            g = zarr.open_group(str(self.root / key), mode="r+", use_consolidated=False)
+            out = {a.name: g[a.name] for a in self._arrays}
+        else:
+            g = zarr.open_group(str(self.root / key), mode="a", use_consolidated=False)
+            for a in self._arrays:
+                if a.width:
+                    shape, chunks, shards = (0, a.width), (m.rows_per_chunk, a.width), (self._rows, a.width)
+                else:  # 1-D arrays are small: one chunk per shard, no inner chunking
+                    shape, chunks, shards = (0,), (self._rows,), None
+                out[a.name] = g.create_array(
+                    a.name, shape=shape, dtype=a.dtype, chunks=chunks, shards=shards, fill_value=0,
+                    compressors=compressors_for(m.compression, np.dtype(a.dtype).itemsize) if a.width else None,
+                    attributes={"logical_dtype": _logical_dtype(a, m)},
+                    # an all-zero chunk (a loss mask, padding) must still exist on disk: its
+                    # absence would be indistinguishable from a lost file
+                    config={"write_empty_chunks": True},
+                )
+        self._zarr[bucket] = out
+        return out
+
+    # ---------------------------------------------------------------- writing
+    def add(self, sample_id: int, *, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+            hidden: torch.Tensor, last_hidden: torch.Tensor | None = None) -> None:
+        """Buffer one sample; shards that fill up are written and committed.
+
+        input_ids [L] ints, loss_mask [L] 0/1, hidden [L, K*H] float, last_hidden [L, H] float.
+        """
+        m = self.manifest
+        n = int(input_ids.shape[0])
+        if hidden.shape != (n, m.row_width):
+            raise CacheFormatError(f"sample {sample_id}: hidden has shape {tuple(hidden.shape)}, "
+                                   f"expected {(n, m.row_width)}")
+        if m.last_hidden != (last_hidden is not None):
+            raise CacheFormatError(f"sample {sample_id}: last_hidden is {'required' if m.last_hidden else 'not stored'}")
+        if sample_id in self.committed:
+            raise CacheFormatError(f"sample {sample_id}: already committed by writer {self.writer_id}")
+        rows = {"input_ids": input_ids.to(torch.int32).cpu().numpy(),
+                "loss_mask": loss_mask.to(torch.uint8).cpu().numpy()}
+        if m.dtype == "bfloat16":
+            rows["hidden"] = bf16_to_bits(hidden.cpu())
+        else:
+            rows["hidden"], rows["hidden_scale"] = quantize_fp8(hidden.cpu(), len(m.layer_ids))
+            self._track_fp8_error(hidden, rows["hidden"], rows["hidden_scale"])
+        if last_hidden is not None:
+            rows["last_hidden"] = bf16_to_bits(last_hidden.cpu())
+        b = bucket_of(n, m.bucket_bounds)
+        bucket = self._buckets.get(b) or self._buckets.setdefault(b, self._new_bucket(0))
+        bucket.pending.append((sample_id, n, bucket.base + bucket.fill + n))
+        done = 0
+        while done < n:
+            take = min(n - done, self._rows - bucket.fill)
+            for name, src in rows.items():
+                bucket.buf[name][bucket.fill: bucket.fill + take] = src[done: done + take]
+            bucket.fill += take
+            done += take
+            if bucket.fill == self._rows:
+                self._write(b, bucket)
+                bucket.base += self._rows
+                bucket.fill = 0
+
+    def _track_fp8_error(self, hidden: torch.Tensor, bits: np.ndarray, scales: np.ndarray) -> None:
+        from cache_format.codec import dequantize_fp8
+
+        ref = hidden.float().cpu()
+        err = dequantize_fp8(bits, scales).float() - ref
+        self.fp8_err[0] += float((err * err).sum())
+        self.fp8_err[1] += float((ref * ref).sum())
+
+    def _write(self, b: int, bucket: _Bucket) -> None:
+        """Write rows [base, base+fill) of bucket `b` as one whole shard, then commit."""
+        end = bucket.base + bucket.fill
+        arrays = self._open(b)
+        with _os_errors(self.root), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            crc = {}
+            for a in self._arrays:
+                z, data = arrays[a.name], bucket.buf[a.name][: bucket.fill]
+                if z.shape[0] != end:
+                    z.resize((end, *z.shape[1:]))
+                z[bucket.base: end] = data
+                crc[a.name] = checksum(data)
+            done = [(sid, n) for sid, n, e in bucket.pending if e <= end]
+            entry = {"bucket": b, "shard": bucket.base // self._rows, "rows": bucket.fill,
+                     "crc32c": crc, "samples": done}
+            if bucket.fill < self._rows:
+                # A tail shard's edge chunk is padded past the array's end; the padding is not
+                # covered by the row checksums, so checksum the stored files too (small, rare).
+                entry["file_crc32c"] = {a.name: file_checksum(shard_file(self.root, group_key(self.writer_id, b), a,
+                                                                          entry["shard"]))
+                                        for a in self._arrays}
+            if self.manifest.dtype == "fp8_e4m3":  # error added since the previous entry
+                entry["fp8_sq_err"], entry["fp8_sq_ref"] = self.fp8_err
+                self.fp8_err = [0.0, 0.0]
+            self._append_log(entry)
+        bucket.pending = [p for p in bucket.pending if p[2] > end]
+        self.committed.update(sid for sid, _ in done)
+
+    def _append_log(self, entry: dict) -> None:
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self._log_path, "a") as f:
+            f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def flush(self) -> None:
+        """Write and commit every bucket's incomplete tail shard (readers can then see it)."""
+        for b, bucket in sorted(self._buckets.items()):
+            if bucket.pending:
+                self._write(b, bucket)
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+
+
+def _logical_dtype(a: TokenArray, m: Manifest) -> str:
+    if a.name == "hidden":
+        return m.dtype
+    return "bfloat16" if a.name == "last_hidden" else a.dtype

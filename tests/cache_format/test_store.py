@@ -1,0 +1,161 @@
+"""Store round trips, concurrent writers, crash recovery and refresh."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_format import (
+    CacheFormatError,
+    ManifestMismatchError,
+    ShardWriter,
+    StoreReader,
+    create_store,
+    finalize_store,
+)
+from cache_format.inspect import verify_store
+from tests.cache_format import workers
+from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 128), min_size=1, max_size=16),
+    bounds=st.sampled_from([(16, 48, 128), (8,), (64, 100)]),
+    shard=st.sampled_from([8, 32, 64]),
+    flush_every=st.integers(0, 7),
+    dtype=st.sampled_from(["bfloat16", "fp8_e4m3"]),
+)
+def test_round_trip_random_ragged(tmp_path_factory, lengths, bounds, shard, flush_every, dtype):
+    path = tmp_path_factory.mktemp("rt") / "s.zarr"
+    m = make_manifest(bucket_bounds=bounds, rows_per_shard=shard, rows_per_chunk=8, dtype=dtype)
+    create_store(path, m)
+    refs = {}
+    with ShardWriter(path, writer_id=0) as w:
+        for i, n in enumerate(lengths):
+            refs[i] = make_sample(i, n, m)
+            w.add(i, **refs[i])
+            if flush_every and i % flush_every == 0:
+                w.flush()  # tail shards get rewritten whole later
+    finalize_store(path, m)
+    r = StoreReader(path)
+    assert sorted(r.sample_ids.tolist()) == list(refs)
+    for got in r.get_batch(list(refs)):
+        ref = refs[got.sample_id]
+        assert got.bucket == min(b for b in range(len(bounds) + 1) if b == len(bounds) or len(ref["input_ids"]) <= bounds[b])
+        if dtype == "bfloat16":
+            assert_sample_equal(got, ref)
+        else:
+            assert torch.equal(got.input_ids, ref["input_ids"])
+            err = (got.hidden.float() - ref["hidden"]).norm() / ref["hidden"].norm()
+            assert err < 0.05
+    assert verify_store(path)["ok"]
+
+
+def test_fp8_error_bound_and_recorded(tmp_path):
+    m = make_manifest(dtype="fp8_e4m3")
+    path = tmp_path / "s.zarr"
+    write_store(path, range(30), m)
+    r = StoreReader(path)
+    worst = 0.0
+    for i in range(30):
+        got, ref = r.get(i), make_sample(i, sample_length(i), m)
+        k = len(m.layer_ids)
+        g, x = got.hidden.float().reshape(-1, k, m.target.hidden_size), ref["hidden"].reshape(-1, k, m.target.hidden_size)
+        # e4m3 has 3 mantissa bits: per element |err| <= 2^-4 relative, plus bf16 rounding of the result
+        amax = x.abs().amax(-1, keepdim=True)
+        assert ((g - x).abs() <= x.abs() * 2**-4 + amax * 2**-9 + 1e-6).all()
+        worst = max(worst, float((g - x).norm() / x.norm()))
+    from cache_format.inspect import inspect_store
+
+    rec = inspect_store(path)["fp8_relative_rms_error"]
+    assert 0 < rec < 0.05 and rec <= worst * 1.5
+
+
+def _spawn(target, *args):
+    p = mp.get_context("spawn").Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def test_four_spawned_writers_every_sample_once(tmp_path):
+    path, m = str(tmp_path / "s.zarr"), make_manifest()
+    create_store(path, m)
+    ids = list(range(120))
+    procs = [_spawn(workers.write_part, path, m.to_dict(), w, ids[w::4]) for w in range(4)]
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    finalize_store(path, m)
+    r = StoreReader(path)
+    assert sorted(r.sample_ids.tolist()) == ids
+    for got in r.get_batch(ids[::7]):
+        assert_sample_equal(got, make_sample(got.sample_id, sample_length(got.sample_id), m))
+    res = verify_store(path)
+    assert res["ok"] and res["duplicate_sample_ids"] == []
+
+
+def test_sigkill_mid_shard_then_resume(tmp_path):
+    path, m = str(tmp_path / "s.zarr"), make_manifest(rows_per_shard=64)
+    create_store(path, m)
+    ids = list(range(60))
+    p = _spawn(workers.write_then_die, path, m.to_dict(), ids, 37)
+    p.join(120)
+    assert p.exitcode == -9
+    r = StoreReader(path)
+    seen = set(r.sample_ids.tolist())
+    assert 0 < len(seen) < 37 and seen <= set(ids[:37])  # only committed shards are visible
+    for got in r.get_batch(sorted(seen)):
+        assert_sample_equal(got, make_sample(got.sample_id, sample_length(got.sample_id), m))
+    # resume: same writer id, skips what is committed
+    p = _spawn(workers.write_part, path, m.to_dict(), 0, ids)
+    p.join(120)
+    assert p.exitcode == 0
+    assert not list(tmp_path.rglob("*.partial"))
+    finalize_store(path, m)
+    r = StoreReader(path)
+    assert sorted(r.sample_ids.tolist()) == ids
+    for got in r.get_batch(ids):
+        assert_sample_equal(got, make_sample(got.sample_id, sample_length(got.sample_id), m))
+    assert verify_store(path)["ok"]
+
+
+def test_refresh_sees_new_commits(tmp_path):
+    path, m = tmp_path / "s.zarr", make_manifest()
+    create_store(path, m)
+    w = ShardWriter(path, writer_id=3)
+    for i in range(5):
+        w.add(i, **make_sample(i, 5, m))
+    r = StoreReader(path)
+    assert len(r) == 0 and not r.finalized  # nothing committed yet: all in the buffer
+    w.flush()
+    assert r.refresh() == 5
+    for i in range(5, 9):
+        w.add(i, **make_sample(i, 5, m))
+    w.close()
+    assert r.refresh() == 4
+    assert_sample_equal(r.get(7), make_sample(7, 5, m))
+
+
+def test_mismatched_resume_lists_differences(tmp_path):
+    path = tmp_path / "s.zarr"
+    create_store(path, make_manifest())
+    with pytest.raises(ManifestMismatchError) as e:
+        create_store(path, make_manifest(layer_ids=(1, 3), max_len=64))
+    assert "layer_ids" in str(e.value) and "max_len" in str(e.value)
+    create_store(path, make_manifest(layer_ids=(1, 3)), overwrite=True)
+
+
+def test_duplicate_add_refused(tmp_path):
+    path, m = tmp_path / "s.zarr", make_manifest()
+    write_store(path, [1], m, finalize=False)
+    w = ShardWriter(path, writer_id=0)
+    with pytest.raises(CacheFormatError, match="sample 1: already committed"):
+        w.add(1, **make_sample(1, 5, m))
+    with pytest.raises(CacheFormatError, match="sample 2: hidden has shape"):
+        w.add(2, input_ids=torch.zeros(4), loss_mask=torch.zeros(4), hidden=torch.zeros(4, 3),
+              last_hidden=torch.zeros(4, 8))

@@ -1,0 +1,101 @@
+"""verify catches corruption; readers refuse unknown versions; forked workers read correctly; CLI contract."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cache_format import StoreReader, UnknownFormatVersionError
+from cache_format.__main__ import cli
+from cache_format.inspect import verify_store
+from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
+
+
+@pytest.fixture
+def store(tmp_path) -> Path:
+    path = tmp_path / "s.zarr"
+    write_store(path, range(40), make_manifest())
+    return path
+
+
+def _shard_files(store: Path) -> list[Path]:
+    return sorted(p for p in store.glob("w*/b*/*/c/**/*") if p.is_file())
+
+
+@pytest.mark.parametrize("which", [0, 3, -1])
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.97])
+def test_flipped_byte_is_named(store, which, where):
+    files = _shard_files(store)
+    victim = files[which]
+    data = bytearray(victim.read_bytes())
+    data[int(len(data) * where)] ^= 0x10
+    victim.write_bytes(bytes(data))
+    res = verify_store(store)
+    assert not res["ok"]
+    group = "/".join(victim.relative_to(store).parts[:2])
+    assert any(b["shard"].startswith(group) for b in res["bad_shards"]), res
+    out = CliRunner().invoke(cli, ["verify", str(store)])
+    assert out.exit_code == 1 and "BAD " + group in out.output
+
+
+def test_sound_store_verifies_and_inspects(store):
+    out = CliRunner().invoke(cli, ["verify", str(store), "--json"])
+    assert out.exit_code == 0, out.output
+    res = json.loads(out.output)
+    assert res["ok"] and res["num_samples"] == 40 and res["duplicate_sample_ids"] == [] and res["bad_shards"] == []
+    out = CliRunner().invoke(cli, ["inspect", str(store), "--json"])
+    info = json.loads(out.output)
+    assert info["num_samples"] == 40 and info["format_version"] == 1
+    assert info["num_tokens"] == sum(sample_length(i) for i in range(40))
+    assert sum(b["num_samples"] for b in info["buckets"]) == 40
+    assert {"lo", "hi", "num_samples", "num_tokens"} <= set(info["buckets"][0])
+    assert info["shards"]["complete"] > 0 and info["bytes_per_token"] > 0
+    assert info["manifest"]["layer_ids"] == [0, 2] and info["manifest"]["hidden_size"] == 8
+    assert info["manifest"]["dtype"] == "bfloat16" and info["manifest"]["target"]["name"] == "tiny"
+    out = CliRunner().invoke(cli, ["show", str(store), "3"])
+    assert out.exit_code == 0 and "sample 3:" in out.output and "L0=" in out.output
+
+
+def test_unknown_format_version_refused(store):
+    meta = store / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["draftcache"]["format_version"] = 99
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(UnknownFormatVersionError, match="format_version 99 is not supported"):
+        StoreReader(store)
+    out = CliRunner().invoke(cli, ["inspect", str(store)])
+    assert out.exit_code == 2 and "format_version 99" in out.output
+
+
+def test_not_a_store(tmp_path):
+    out = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
+    assert out.exit_code == 2 and "not a draftcache store" in out.output
+
+
+class _DS(torch.utils.data.Dataset):
+    def __init__(self, reader):
+        self.reader = reader
+
+    def __len__(self):
+        return len(self.reader)
+
+    def __getitem__(self, i):
+        s = self.reader.get(int(self.reader.sample_ids[i]))
+        return s.sample_id, s.hidden.float().sum().item()
+
+
+def test_forked_dataloader_workers(store):
+    r = StoreReader(store)
+    r.get(0)  # the parent has used zarr before forking
+    dl = torch.utils.data.DataLoader(_DS(r), batch_size=None, num_workers=2,
+                                     multiprocessing_context="fork")
+    got = dict(dl)
+    m = make_manifest()
+    assert sorted(got) == list(range(40))
+    for i in (0, 17, 39):
+        assert got[i] == pytest.approx(make_sample(i, sample_length(i), m)["hidden"].bfloat16().float().sum().item(), rel=1e-5)
+    assert_sample_equal(r.get(5), make_sample(5, sample_length(5), m))
