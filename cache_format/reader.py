@@ -83,7 +83,9 @@ class StoreReader:
         path = self.root / FROZEN_FILE
         if not path.exists():
             raise CacheFormatError(f"{self.root}: store has no {FROZEN_FILE} (embedding, lm_head, norm)")
-        return load_file(str(path))
+        parts = load_file(str(path))
+        parts.setdefault("lm_head.weight", parts["embed_tokens.weight"])  # tied embeddings
+        return parts
 
     # ---------------------------------------------------------------- reads
     def _group(self, key: str) -> dict[str, zarr.Array]:

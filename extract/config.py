@@ -1,0 +1,74 @@
+"""ExtractConfig: every knob of stage one; the CLI maps onto it 1:1 and it is saved in the manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ExtractConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractConfig:
+    store: str
+    """Output store directory (a zarr v3 group); /dev/shm or NVMe for speed."""
+    target: str = ""
+    """HF causal-LM directory or .gguf file; empty = the packaged SmolLM2-135M-Instruct GGUF."""
+    data: str = ""
+    """JSONL of conversations; empty = the packaged prompts with target-generated responses."""
+    layers: tuple[int, ...] = ()
+    """Tapped layer ids (id i = output of decoder layer i); empty = the DFlash rule for num_taps."""
+    num_taps: int = 5
+    """K for the default DFlash rule round(1 + i*(N-4)/(K-1))."""
+    last_hidden: bool = True
+    """Also store the final hidden state after the final norm (for soft-label distillation)."""
+    max_len: int = 2048
+    """Samples longer than this are truncated (or dropped with drop_long)."""
+    drop_long: bool = False
+    """Skip samples longer than max_len instead of truncating them."""
+    min_supervised: int = 32
+    """Skip samples with fewer supervised (assistant) tokens; 2 x block_size for block 16."""
+    dtype: str = "bfloat16"
+    """Stored dtype: bfloat16 or fp8_e4m3."""
+    compression: str = "none"
+    """none or blosc-zstd1."""
+    token_budget: int = 16384
+    """Padded tokens per forward batch (batch size x longest sample)."""
+    rows_per_shard: int = 0
+    """Tokens per shard; 0 = about 64 MiB of hidden states per shard."""
+    queue_batches: int = 4
+    """Forward batches waiting for the writer; bounds host RAM (see --help)."""
+    skip_bad: bool = False
+    """Count and skip malformed JSON lines instead of stopping at the first."""
+    overwrite: bool = False
+    """Delete an existing store with different settings and start over."""
+    limit: int = 0
+    """Use only the first N records of the data (0 = all)."""
+    seed: int = 0
+    """Seed for default-data regeneration."""
+
+    def __post_init__(self) -> None:
+        if not self.store:
+            raise ValueError("store path is required")
+        if self.num_taps < 1:
+            raise ValueError(f"num_taps must be >= 1, got {self.num_taps}")
+        if any(layer < 0 for layer in self.layers):
+            raise ValueError(f"layer ids must be >= 0, got {list(self.layers)}")
+        if self.max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        if self.min_supervised < 2:
+            raise ValueError(f"min_supervised must be >= 2, got {self.min_supervised}")
+        if self.dtype not in ("bfloat16", "fp8_e4m3"):
+            raise ValueError(f"dtype must be bfloat16 or fp8_e4m3, got {self.dtype!r}")
+        if self.compression not in ("none", "blosc-zstd1"):
+            raise ValueError(f"compression must be none or blosc-zstd1, got {self.compression!r}")
+        if self.token_budget < self.max_len:
+            raise ValueError(f"token_budget ({self.token_budget}) must be >= max_len ({self.max_len})")
+        if self.rows_per_shard < 0 or self.queue_batches < 1 or self.limit < 0:
+            raise ValueError("rows_per_shard and limit must be >= 0, queue_batches >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layers"] = list(self.layers)
+        return d

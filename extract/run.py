@@ -1,0 +1,233 @@
+"""Stage one, per rank: render data, run the target's decoder stack, write taps into the store.
+
+One process per GPU under torchrun (or one plain process). Rank 0 creates (or checks) the store;
+every rank writes its own shards through a writer thread behind a bounded queue, so the forward
+loop never waits on the disk; rank 0 finalizes once every rank has closed its writer.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from cache_format import (
+    DatasetInfo,
+    Manifest,
+    ShardWriter,
+    create_store,
+    finalize_store,
+    write_frozen,
+)
+from cache_format.index import LogFollower
+from cache_format.schema import default_bucket_bounds
+from extract.config import ExtractConfig
+from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
+from extract.plan import dflash_layer_ids, partition, token_budget_batches
+from extract.target import capture, decoder_parts, frozen_parts, load_target
+
+__all__ = ["World", "run"]
+
+DEFAULT_DATA = "data/smollm2_default_train.jsonl"
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _barrier(world: World) -> None:
+    if world.world_size > 1:
+        dist.barrier()
+
+
+def _default_data(cfg: ExtractConfig, world: World) -> str:
+    """The packaged prompts with target-generated responses (rank 0 generates once, cached)."""
+    if not Path(DEFAULT_DATA).exists() and world.rank == 0:
+        from extract.regenerate import regenerate
+
+        tmp = DEFAULT_DATA + ".partial"
+        regenerate(out=tmp, target=cfg.target, limit=cfg.limit or 64, max_new_tokens=96, seed=cfg.seed)
+        os.replace(tmp, DEFAULT_DATA)
+    _barrier(world)
+    return DEFAULT_DATA
+
+
+def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter) -> list[Rendered]:
+    bad: list[str] = []
+    out = []
+    for sid, msgs in read_conversations(data, skip_bad=cfg.skip_bad, limit=cfg.limit, bad=bad):
+        try:
+            r = render(sid, msgs, tokenizer, max_len=cfg.max_len)
+        except BadRecord as e:
+            raise BadRecord(f"{data}:{sid + 1}: {e}") from None
+        if r.truncated and cfg.drop_long:
+            skipped["too long"] += 1
+        elif int(r.loss_mask.sum()) < cfg.min_supervised:
+            skipped[f"< {cfg.min_supervised} supervised tokens"] += 1
+        else:
+            out.append(r)
+    if bad:
+        skipped["malformed"] += len(bad)
+    return out
+
+
+def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
+    """Extract `cfg.data` into `cfg.store`; returns the closing summary (rank 0's is complete)."""
+    world = world or World.from_env()
+    device = torch.device(f"cuda:{world.local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    t0 = time.time()
+
+    # ------------------------------------------------------------------ target and data
+    target = load_target(cfg.target, device=device)
+    n_layers = target.info.num_layers
+    layer_ids = list(cfg.layers) or dflash_layer_ids(n_layers, cfg.num_taps)
+    for lid in layer_ids:
+        if not 0 <= lid < n_layers:
+            raise ValueError(f"layer id {lid} out of range: target {target.info.name} has {n_layers} layers (0..{n_layers - 1})")
+    data = cfg.data or _default_data(cfg, world)
+    skipped: Counter = Counter()
+    samples = _render_all(cfg, data, target.tokenizer, skipped)
+    by_id = {r.sample_id: r for r in samples}
+
+    # ------------------------------------------------------------------ the store
+    h = target.info.hidden_size
+    rows_per_shard = cfg.rows_per_shard or max(32, (64 << 20) // (2 * h * len(layer_ids)) // 32 * 32)
+    manifest = Manifest(
+        target=target.info, tokenizer_sha256=target.tokenizer_sha256, layer_ids=tuple(layer_ids),
+        last_hidden=cfg.last_hidden, dataset=DatasetInfo(path=str(data), sha256=file_sha256(data),
+                                                         num_records=len(samples)),
+        max_len=cfg.max_len, bucket_bounds=default_bucket_bounds(cfg.max_len), dtype=cfg.dtype,
+        compression=cfg.compression, rows_per_shard=rows_per_shard, rows_per_chunk=min(32, rows_per_shard),
+        extract_config=cfg.to_dict(),
+    )
+    if world.rank == 0:
+        create_store(cfg.store, manifest, overwrite=cfg.overwrite)
+        write_frozen(cfg.store, frozen_parts(target.model))
+        if not (Path(cfg.store) / "tokenizer").exists():
+            target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
+    _barrier(world)
+    writer = ShardWriter(cfg.store, writer_id=world.rank)
+    follower = LogFollower(Path(cfg.store))
+    follower.poll()  # committed by any writer id: a resume with another world size skips them too
+    committed = set(follower.index.sample_ids.tolist()) | writer.committed
+    todo = [r.sample_id for r in samples if r.sample_id not in committed]
+    mine = partition(todo, [len(by_id[s].input_ids) for s in todo], world.world_size, world.rank)
+    batches = token_budget_batches(mine, [len(by_id[s].input_ids) for s in mine], cfg.token_budget)
+
+    # ------------------------------------------------------------------ writer thread
+    # Each queued item holds one forward batch on the host: at most queue_batches x token_budget x
+    # bytes_per_token bytes (e.g. 4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B with 5 taps).
+    q: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
+    failure: list[BaseException] = []
+    nonfinite = Counter()
+
+    def write_loop() -> None:
+        try:
+            while (item := q.get()) is not None:
+                event, ids, hid, last, ok = item
+                if event is not None:
+                    event.synchronize()
+                for j, sid in enumerate(ids):
+                    if not ok[j]:
+                        nonfinite["NaN/Inf in hidden state"] += 1
+                        continue
+                    r, n = by_id[sid], len(by_id[sid].input_ids)
+                    writer.add(sid, input_ids=r.input_ids, loss_mask=r.loss_mask, hidden=hid[j, :n],
+                               last_hidden=last[j, :n] if last is not None else None)
+            writer.close()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            failure.append(e)
+            while q.get() is not None:  # drain so the producer never blocks forever
+                pass
+
+    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True)
+    thread.start()
+
+    # ------------------------------------------------------------------ forward loop
+    base, _, _ = decoder_parts(target.model)
+    tokens = 0
+    bar = tqdm(total=sum(len(by_id[s].input_ids) for s in mine), unit="tok", disable=world.rank != 0,
+               desc=f"extract x{world.world_size}")
+    t_loop = time.time()
+    try:
+        with capture(target.model, layer_ids) as taps, torch.inference_mode():
+            for batch in batches:
+                if failure:
+                    break
+                lens = [len(by_id[s].input_ids) for s in batch]
+                ids = torch.zeros(len(batch), max(lens), dtype=torch.long)
+                att = torch.zeros_like(ids)
+                for j, s in enumerate(batch):
+                    ids[j, : lens[j]] = by_id[s].input_ids
+                    att[j, : lens[j]] = 1
+                ids, att = ids.to(device, non_blocking=True), att.to(device, non_blocking=True)
+                out = base(input_ids=ids, attention_mask=att, use_cache=False)
+                hid = torch.cat([taps[lid] for lid in layer_ids], dim=-1).to(torch.bfloat16)  # [B, T, K*H]
+                last = out.last_hidden_state.to(torch.bfloat16) if cfg.last_hidden else None  # [B, T, H]
+                bad = ~torch.isfinite(hid).all(-1)
+                if last is not None:
+                    bad |= ~torch.isfinite(last).all(-1)
+                ok = ~(bad & att.bool()).any(-1)  # [B]
+                event = None
+                if device.type == "cuda":
+                    hid, ok = hid.to("cpu", non_blocking=True), ok.to("cpu", non_blocking=True)
+                    last = last.to("cpu", non_blocking=True) if last is not None else None
+                    event = torch.cuda.Event()
+                    event.record()
+                q.put((event, batch, hid, last, ok))
+                tokens += sum(lens)
+                bar.update(sum(lens))
+    finally:
+        q.put(None)
+        thread.join()
+        bar.close()
+    if failure:
+        raise failure[0]
+    elapsed = time.time() - t_loop
+
+    # ------------------------------------------------------------------ finalize and report
+    mine_stats = {"tokens": tokens, "seconds": elapsed, "written": len(mine) - sum(nonfinite.values()),
+                  "nonfinite": dict(nonfinite)}
+    stats = [mine_stats]
+    if world.world_size > 1:
+        stats = [None] * world.world_size
+        dist.all_gather_object(stats, mine_stats)
+    summary: dict = {}
+    if world.rank == 0:
+        for s in stats:
+            skipped.update(s["nonfinite"])
+        state = finalize_store(cfg.store, manifest)
+        from cache_format.inspect import inspect_store
+
+        info = inspect_store(cfg.store)
+        summary = {
+            "store": cfg.store, "samples_written_now": sum(s["written"] for s in stats),
+            "samples_in_store": state["num_samples"], "already_committed": len(committed),
+            "skipped": dict(skipped), "tokens_now": sum(s["tokens"] for s in stats),
+            "tokens_per_s_per_rank": [s["tokens"] / s["seconds"] if s["seconds"] else 0.0 for s in stats],
+            "bytes_per_token": info["bytes_per_token"], "store_bytes": info["disk_bytes"],
+            "buckets": {f"{b['lo']}-{b['hi']}": b["num_samples"] for b in info["buckets"]},
+            "layer_ids": layer_ids, "wall_s": time.time() - t0,
+        }
+    _barrier(world)
+    return summary

