@@ -52,3 +52,67 @@ def assert_sample_equal(got, ref: dict[str, torch.Tensor]) -> None:
     assert torch.equal(got.hidden, ref["hidden"].bfloat16())
     if "last_hidden" in ref:
         assert torch.equal(got.last_hidden, ref["last_hidden"].bfloat16())
+
+
+# --------------------------------------------------------------------------- tiny targets
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog", "what is two plus two? two plus two is four.",
+    "def add(a, b): return a + b", "question answer user assistant system hello world",
+    "numbers 0 1 2 3 4 5 6 7 8 9 ten eleven twelve", "alpha beta gamma delta epsilon zeta eta theta",
+]
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_target_dir(path, arch: str = "llama", num_layers: int = 6, hidden: int = 32, seed: int = 0) -> str:
+    """Save a random-weight causal LM + tokenizer as an HF directory (no download)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    common = dict(vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=hidden // 4, **common)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def write_chats(path, n: int, seed: int = 0, turns: int = 1) -> str:
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = " ".join(CORPUS).split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            msgs = []
+            for _ in range(turns):
+                msgs.append({"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))})
+                msgs.append({"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(10, 60)))})
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return str(path)
