@@ -1,0 +1,67 @@
+"""python -m train: stage two. Train a DFlash drafter from a draftcache store.
+
+    python -m train --store stores/demo.zarr --out runs/demo
+    torchrun --nproc-per-node 8 -m train --store /dev/shm/q8b.zarr --out runs/q8b --num-layers 5
+    python -m train --store S --out R --follow      # while `python -m extract` is still writing S
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from train.config import TrainConfig
+
+
+def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in value.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+
+
+@click.command(context_settings={"max_content_width": 100})
+@click.option("--store", required=True, help="The draftcache store (the target is never loaded).")
+@click.option("--out", required=True, help="Run directory (metrics.jsonl, plots, checkpoints/).")
+@click.option("--num-layers", default=1, show_default=True, help="Drafter depth (DFlash: 5).")
+@click.option("--layers", default="", callback=_layers, help="Subset of stored layer ids [default: all].")
+@click.option("--block-size", default=16, show_default=True)
+@click.option("--num-anchors", default=512, show_default=True, help="Anchors per sequence.")
+@click.option("--gamma", default=0.0, help="Loss decay; 0 = 7 for block 16 (5 for 10, 4 for 8).")
+@click.option("--loss", type=click.Choice(["ce", "kl", "mix"]), default="ce", show_default=True)
+@click.option("--kl-weight", default=0.5, show_default=True, help="KL share with --loss mix.")
+@click.option("--mask-token-id", default=-1, help="Embedding row used as MASK [default: last row].")
+@click.option("--intermediate-size", default=0, help="Drafter MLP width [default: the target's].")
+@click.option("--epochs", default=6, show_default=True)
+@click.option("--max-steps", default=0, help="Stop after N optimizer steps (0 = all epochs).")
+@click.option("--token-budget", default=8192, show_default=True, help="Context tokens per micro-batch.")
+@click.option("--grad-accum", default=1, show_default=True)
+@click.option("--lr", default=6e-4, show_default=True)
+@click.option("--warmup", default=0.04, show_default=True)
+@click.option("--weight-decay", default=0.0, show_default=True)
+@click.option("--clip", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--log-every", default=10, show_default=True)
+@click.option("--checkpoint-every", default=0, help="Checkpoint every N steps (0 = at the end).")
+@click.option("--keep-checkpoints", default=3, show_default=True)
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out.")
+@click.option("--follow", is_flag=True, help="Train while stage one is still writing the store.")
+@click.option("--workers", default=2, show_default=True, help="DataLoader workers per rank.")
+@click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True)
+@click.option("--compile", is_flag=True, help="torch.compile (GPU).")
+def main(**kw) -> None:
+    """Train a DFlash drafter from a store (DDP under torchrun; resumable)."""
+    from cache_format import CacheFormatError
+    from train.trainer import train
+
+    try:
+        res = train(TrainConfig(**kw))
+    except (CacheFormatError, ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"trained {res['steps']} steps into {res['run']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""TrainConfig: every knob of stage two; the CLI maps onto it 1:1 and it is saved with checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    store: str
+    """The draftcache store to train from (the target is never loaded)."""
+    out: str
+    """Run directory: metrics.jsonl, plots, checkpoints/."""
+    num_layers: int = 1
+    """Drafter depth D (DFlash uses 5; 1 trains fast on CPU)."""
+    layers: tuple[int, ...] = ()
+    """Subset of the store's layer ids the drafter reads (empty = all)."""
+    block_size: int = 16
+    """Tokens per draft block (anchor + block_size - 1 drafted)."""
+    num_anchors: int = 512
+    """Anchors per sequence, capped by its valid positions; resampled every epoch."""
+    gamma: float = 0.0
+    """Loss decay exp(-(k-1)/gamma); 0 = 7 for block 16, 5 for 10, 4 for 8."""
+    loss: str = "ce"
+    """ce, kl (forward KL to the target's distribution from the stored final state) or mix."""
+    kl_weight: float = 0.5
+    """Weight of KL in mix."""
+    mask_token_id: int = -1
+    """Embedding row used as MASK; -1 = the last row (an existing row: the embedding is never resized)."""
+    intermediate_size: int = 0
+    """Drafter MLP width; 0 = the target's."""
+    epochs: int = 6
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0 = run all epochs)."""
+    token_budget: int = 8192
+    """Context tokens per micro-batch (batch size x longest sample)."""
+    grad_accum: int = 1
+    """Micro-batches per rank per optimizer step."""
+    lr: float = 6e-4
+    warmup: float = 0.04
+    """Fraction of steps of linear warmup before cosine decay."""
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    """Metrics line every N steps."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 3
+    resume: bool = False
+    """Continue from the newest checkpoint in out/checkpoints."""
+    follow: bool = False
+    """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
+    workers: int = 2
+    """DataLoader worker processes per rank (0 = read in the training process)."""
+    attention: str = "auto"
+    """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
+    compile: bool = False
+    """torch.compile the drafter layers (GPU)."""
+
+    def __post_init__(self) -> None:
+        if not self.store or not self.out:
+            raise ValueError("store and out are required")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.num_layers < 1 or self.num_anchors < 1 or self.epochs < 1:
+            raise ValueError("num_layers, num_anchors and epochs must be >= 1")
+        if self.loss not in ("ce", "kl", "mix"):
+            raise ValueError(f"loss must be ce, kl or mix, got {self.loss!r}")
+        if not 0 <= self.kl_weight <= 1:
+            raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
+        if self.lr <= 0 or not 0 <= self.warmup < 1 or self.clip <= 0:
+            raise ValueError("lr and clip must be > 0 and warmup in [0, 1)")
+        if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
+            raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
+        if self.attention not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"attention must be auto, flex or sdpa, got {self.attention!r}")
+
+    @property
+    def effective_kl_weight(self) -> float:
+        return {"ce": 0.0, "kl": 1.0, "mix": self.kl_weight}[self.loss]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+
+# Fields that may change on --resume without changing what is trained.
+RESUME_FREE = ("resume", "max_steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
+               "follow", "compile", "out")

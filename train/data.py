@@ -1,0 +1,100 @@
+"""Batches from the store: a pure plan of micro-batches per rank, and a Dataset that reads them.
+
+The plan depends only on (sample lengths, buckets, token budget, seed, epoch, world shape), so
+every rank computes the same plan without communicating, and a resumed run skips exactly the
+micro-batches already trained. Anchors are drawn in the Dataset from a Generator seeded by
+(seed, epoch, micro-batch index), so worker processes and resumes draw the same anchors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cache_format import StoreReader
+from train.anchors import IGNORE, build_blocks, sample_anchors
+
+__all__ = ["BatchDataset", "collate", "plan_epoch"]
+
+
+def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, *, token_budget: int, seed: int,
+               epoch: int, ranks: int, grad_accum: int) -> list[list[list[int]]]:
+    """Steps of one epoch: steps[s][r*grad_accum + a] = sample ids of micro-batch a of rank r.
+
+    Each micro-batch comes from one length bucket and holds at most token_budget context tokens
+    (count x longest). Micro-batch order is shuffled; the last partial step is dropped (its
+    samples come first in another epoch's shuffle).
+    """
+    g = np.random.default_rng([seed, epoch])
+    micro: list[list[int]] = []
+    for b in np.unique(buckets):
+        sel = np.flatnonzero(buckets == b)
+        sel = sel[g.permutation(len(sel))]
+        cur, longest = [], 0
+        for i in sel:
+            n = int(lengths[i])
+            if cur and (len(cur) + 1) * max(longest, n) > token_budget:
+                micro.append(cur)
+                cur, longest = [], 0
+            cur.append(int(sample_ids[i]))
+            longest = max(longest, n)
+        if cur:
+            micro.append(cur)
+    micro = [micro[i] for i in g.permutation(len(micro))]
+    per_step = ranks * grad_accum
+    return [micro[i: i + per_step] for i in range(0, len(micro) - per_step + 1, per_step)]
+
+
+class BatchDataset(torch.utils.data.Dataset):
+    """Item i = the collated micro-batch i of a list; the reader opens lazily in each worker."""
+
+    def __init__(self, store: str, micro: list[list[int]], keys: list[int], *, tap_index: list[int],
+                 num_stored_taps: int,
+                 num_anchors: int, block_size: int, mask_token_id: int, seed: int, epoch: int,
+                 with_teacher: bool) -> None:
+        self.store, self.micro, self.keys = store, micro, keys
+        self.kw = dict(tap_index=tap_index, num_stored_taps=num_stored_taps, num_anchors=num_anchors, block_size=block_size,
+                       mask_token_id=mask_token_id, with_teacher=with_teacher)
+        self.seed, self.epoch = seed, epoch
+        self._reader: StoreReader | None = None
+
+    def __len__(self) -> int:
+        return len(self.micro)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self._reader is None:
+            self._reader = StoreReader(self.store)
+        # a fixed mix of (seed, epoch, key): Python's hash() of ints is stable across processes
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.keys[i])
+        return collate(self._reader.get_batch(self.micro[i]), generator=g, **self.kw)
+
+
+def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors: int, block_size: int,
+            mask_token_id: int, generator: torch.Generator, with_teacher: bool) -> dict[str, torch.Tensor]:
+    """Pad a micro-batch: taps [b, T, K'*H], anchors [b, N], block ids/pos/labels [b, N*bs], teacher."""
+    b, t = len(samples), max(len(s.input_ids) for s in samples)
+    hsz = samples[0].hidden.shape[1] // num_stored_taps
+    per = []
+    for s in samples:
+        a = sample_anchors(s.loss_mask, num_anchors, generator)
+        per.append((a, *build_blocks(s.input_ids, s.loss_mask, a, block_size, mask_token_id)))
+    n = max(max(len(p[0]) for p in per), 1)
+    taps = torch.zeros(b, t, len(tap_index) * hsz, dtype=torch.bfloat16)
+    anchors = torch.full((b, n), -1, dtype=torch.long)
+    ids = torch.full((b, n * block_size), mask_token_id, dtype=torch.long)
+    pos = torch.zeros(b, n * block_size, dtype=torch.long)
+    labels = torch.full((b, n * block_size), IGNORE, dtype=torch.long)
+    teacher = torch.zeros(b, n * block_size, hsz, dtype=torch.bfloat16) if with_teacher else None
+    for j, (s, (a, bi, bp, bl)) in enumerate(zip(samples, per)):
+        L, m = len(s.input_ids), len(a) * block_size
+        taps[j, :L] = s.hidden.view(L, num_stored_taps, hsz)[:, tap_index].reshape(L, -1)
+        anchors[j, : len(a)] = a
+        ids[j, :m], pos[j, :m], labels[j, :m] = bi, bp, bl
+        if teacher is not None and m:
+            # slot k (token p+k) is taught by the target's final state at p+k-1
+            teacher[j, :m] = s.last_hidden[(bp - 1).clamp(min=0, max=L - 1)]
+    out = {"taps": taps, "ctx_len": torch.tensor([len(s.input_ids) for s in samples]), "anchors": anchors,
+           "block_ids": ids, "block_pos": pos, "labels": labels}
+    if teacher is not None:
+        out["teacher"] = teacher
+    return out

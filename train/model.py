@@ -1,0 +1,152 @@
+"""The DFlash drafter: fc + norm over the tapped target states, Qwen3-style layers with KV injection.
+
+Shapes: B batch, T context tokens, Q block query tokens (num_anchors x block_size), H hidden,
+K tapped layers, nh/nkv query/kv heads, hd head dim.
+
+KV injection (../shared/docs/dflash.md §1.1): every layer projects the fused context through its
+own k/v projections and prepends it to the block's keys and values; queries come from block tokens
+only, so the context bypasses each layer's q, o, residual and MLP paths. Embedding and lm_head
+are the target's, frozen; they are buffers here and never saved with the drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["DrafterConfig", "DFlashDrafter", "apply_rope", "rope_cos_sin"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_taps: int
+    block_size: int = 16
+    mask_token_id: int = 0
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos [B, S] -> cos, sin [B, 1, S, hd] (neox / HF "rotate half" layout)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    ang = pos.float()[..., None] * inv  # [B, S, hd/2]
+    emb = torch.cat([ang, ang], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.c = c
+        h, hd = c.hidden_size, c.head_dim
+        self.input_layernorm = RMSNorm(h, c.rms_eps)
+        self.q_proj = nn.Linear(h, c.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, c.rms_eps)
+        self.k_norm = RMSNorm(hd, c.rms_eps)
+        self.post_attention_layernorm = RMSNorm(h, c.rms_eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [B, T, H] -> roped k, v [B, nkv, T, hd] (cacheable: they never change)."""
+        b, t, _ = ctx.shape
+        k = self.k_norm(self.k_proj(ctx).view(b, t, -1, self.c.head_dim)).transpose(1, 2)
+        v = self.v_proj(ctx).view(b, t, -1, self.c.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor | object | None) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        hd = self.c.head_dim
+        h = self.input_layernorm(x)
+        q = apply_rope(self.q_norm(self.q_proj(h).view(b, q_len, -1, hd)).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(h).view(b, q_len, -1, hd)).transpose(1, 2), cos, sin)
+        v = self.v_proj(h).view(b, q_len, -1, hd).transpose(1, 2)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
+            from torch.nn.attention.flex_attention import flex_attention
+
+            o = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        else:
+            rep = self.c.num_heads // self.c.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask is not None else None)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlashDrafter(nn.Module):
+    """Trainable: fc, hidden_norm, layers, norm. Frozen buffers: embed_tokens, lm_head."""
+
+    def __init__(self, c: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        super().__init__()
+        self.c = c
+        self.fc = nn.Linear(c.num_taps * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.register_buffer("embed_tokens", embed.detach().clone(), persistent=False)  # [V, H]
+        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # [V, H]
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [B, T, K*H] -> fused context [B, T, H]."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+
+    def context_kv(self, taps: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) of the context: computed once per new context token at inference."""
+        ctx = self.fuse(taps)
+        cos, sin = rope_cos_sin(ctx_pos, self.c.head_dim, self.c.rope_theta)
+        return [layer.context_kv(ctx, cos.to(ctx.dtype), sin.to(ctx.dtype)) for layer in self.layers]
+
+    def forward(self, taps: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor, block_pos: torch.Tensor,
+                mask: torch.Tensor | object | None) -> torch.Tensor:
+        """Training: taps [B, T, K*H], ctx_pos [B, T], blocks [B, Q], mask [B, Q, T+Q] -> hidden [B, Q, H]."""
+        return self.draft(block_ids, block_pos, self.context_kv(taps, ctx_pos), mask)
+
+    def draft(self, block_ids: torch.Tensor, block_pos: torch.Tensor,
+              ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | object | None) -> torch.Tensor:
+        """block_ids, block_pos [B, Q]; mask [B, Q, T+Q] bool (True = may attend) -> hidden [B, Q, H]."""
+        x = F.embedding(block_ids, self.embed_tokens).to(self.fc.weight.dtype)
+        cos, sin = rope_cos_sin(block_pos, self.c.head_dim, self.c.rope_theta)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, k, v, cos, sin, mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head.to(hidden.dtype).T

@@ -1,0 +1,228 @@
+"""Stage two, per rank: train a DFlash drafter from the store with DDP (one process per GPU).
+
+    python -m train --store stores/demo.zarr --out runs/demo
+    torchrun --nproc-per-node 8 -m train --store /dev/shm/q8b.zarr --out runs/q8b --num-layers 5
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from cache_format import StoreReader
+from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from train.config import RESUME_FREE, TrainConfig
+from train.data import BatchDataset, plan_epoch
+from train.losses import acceptance_from_acc, default_gamma, draft_loss
+from train.masks import dense_mask, flex_block_mask
+from train.metrics import MetricsLog, plot_metrics
+from train.model import DFlashDrafter, DrafterConfig
+
+__all__ = ["build_drafter", "drafter_config", "train"]
+
+
+def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig, list[int]]:
+    """Drafter dims from the target's config in the manifest; checks layers against the store."""
+    m = reader.manifest
+    tc = m.target.config
+    taps = list(cfg.layers) or list(m.layer_ids)
+    missing = [x for x in taps if x not in m.layer_ids]
+    if missing:
+        raise ValueError(f"{reader.root}: layer ids {missing} are not stored (store has {list(m.layer_ids)})")
+    heads = tc.get("num_attention_heads", 8)
+    dc = DrafterConfig(
+        hidden_size=m.target.hidden_size, intermediate_size=cfg.intermediate_size or tc.get("intermediate_size", 4 * m.target.hidden_size),
+        num_layers=cfg.num_layers, num_heads=heads, num_kv_heads=tc.get("num_key_value_heads") or heads,
+        head_dim=tc.get("head_dim") or m.target.hidden_size // heads, vocab_size=m.target.vocab_size,
+        num_taps=len(taps), block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id if cfg.mask_token_id >= 0 else m.target.vocab_size - 1,
+        rope_theta=float(tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+        rms_eps=float(tc.get("rms_norm_eps", 1e-6)),
+    )
+    if not 0 <= dc.mask_token_id < dc.vocab_size:
+        raise ValueError(f"mask_token_id {dc.mask_token_id} is outside the vocabulary (0..{dc.vocab_size - 1})")
+    return dc, [m.layer_ids.index(x) for x in taps]
+
+
+def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor]) -> DFlashDrafter:
+    emb, head = frozen["embed_tokens.weight"], frozen["lm_head.weight"]
+    if emb.shape != (dc.vocab_size, dc.hidden_size):
+        raise ValueError(f"embedding shape {tuple(emb.shape)} does not fit vocab {dc.vocab_size} x hidden {dc.hidden_size}")
+    return DFlashDrafter(dc, emb, head)
+
+
+def _lr_lambda(total: int, warmup: float):
+    w = max(1, int(total * warmup))
+
+    def f(step: int) -> float:
+        if step < w:
+            return (step + 1) / w
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
+    return f
+
+
+def _check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
+    now, old = cfg.to_dict(), saved["config"]
+    diffs = [f"{k}: checkpoint has {old.get(k)!r}, now {now[k]!r}" for k in now if k not in RESUME_FREE and old.get(k) != now[k]]
+    if diffs:
+        raise ValueError(f"cannot resume {cfg.out}: config differs ({'; '.join(diffs)})")
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(cfg.seed)
+
+    # ------------------------------------------------------------------ store and model
+    reader = StoreReader(cfg.store)
+    if not reader.finalized and not cfg.follow:
+        raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
+                         "pass --follow to train while it is written")
+    if cfg.loss != "ce" and not reader.manifest.last_hidden:
+        raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
+    dc, tap_index = drafter_config(cfg, reader)
+    model = build_drafter(dc, reader.frozen()).to(device)
+    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                            weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+
+    def steps_in(epoch: int) -> list[list[list[int]]]:
+        return plan_epoch(reader.sample_ids, reader.lengths(), reader.buckets(), token_budget=cfg.token_budget,
+                          seed=cfg.seed, epoch=epoch, ranks=world, grad_accum=cfg.grad_accum)
+
+    if cfg.follow:
+        while len(reader) == 0:
+            time.sleep(1.0)
+            reader.refresh()
+    # In follow mode the store grows: scale the first plan by records expected / records seen.
+    per_epoch = len(steps_in(0))
+    if not reader.finalized:
+        per_epoch = int(per_epoch * reader.manifest.dataset.num_records / max(1, len(reader))) + 1
+    total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, cfg.warmup))
+    step, start_epoch, skip = 0, 0, 0
+    if cfg.resume and (ck := latest_checkpoint(cfg.out)) is not None:
+        weights, opt_state, saved = load_checkpoint(ck)
+        _check_resume(cfg, saved)
+        model.load_state_dict(weights, strict=False)
+        opt.load_state_dict(opt_state["optimizer"])
+        sched.load_state_dict(opt_state["scheduler"])
+        step, start_epoch, skip = saved["step"], saved["epoch"], saved["step_in_epoch"]
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
+    log = MetricsLog(cfg.out, rank == 0)
+    config_record = {"train": cfg.to_dict(), "drafter": dc.to_dict(), "layer_ids": [reader.manifest.layer_ids[i] for i in tap_index],
+                     "store": str(cfg.store), "target": reader.manifest.target.name}
+
+    def checkpoint(epoch: int, in_epoch: int) -> None:
+        if rank == 0:
+            save_checkpoint(cfg.out, step, model=model, optimizer=opt, scheduler=sched, keep=cfg.keep_checkpoints,
+                            state={"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "config": cfg.to_dict(),
+                                   **config_record})
+        if world > 1:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ loop
+    bar = tqdm(total=total, initial=step, disable=rank != 0, desc="train", unit="step")
+    acc_sum = torch.zeros(cfg.block_size, device=device)
+    cnt_sum = torch.zeros(cfg.block_size, device=device)
+    loss_sum, n_loss, positions, wait, t_log = 0.0, 0, 0, 0.0, time.time()
+    epoch = start_epoch
+    position = (start_epoch, skip)
+    done = step >= total
+    while not done and epoch < cfg.epochs:
+        if cfg.follow:
+            reader.refresh()
+            while epoch == cfg.epochs - 1 and not reader.finalized:  # the last epoch sees everything
+                time.sleep(1.0)
+                reader.refresh()
+        steps = steps_in(epoch)
+        first = skip if epoch == start_epoch else 0
+        micro = [mb for s in steps[first:] for mb in s[rank * cfg.grad_accum:(rank + 1) * cfg.grad_accum]]
+        keys = [(first + i // cfg.grad_accum) * world * cfg.grad_accum + rank * cfg.grad_accum + i % cfg.grad_accum
+                for i in range(len(micro))]
+        ds = BatchDataset(cfg.store, micro, keys, tap_index=tap_index, num_stored_taps=len(reader.manifest.layer_ids),
+                          num_anchors=cfg.num_anchors, block_size=cfg.block_size, mask_token_id=dc.mask_token_id,
+                          seed=cfg.seed, epoch=epoch, with_teacher=cfg.effective_kl_weight > 0)
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,
+                                         pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
+                                         persistent_workers=False)
+        it = iter(dl)
+        for s_idx in range(first, len(steps)):
+            opt.zero_grad(set_to_none=True)
+            for a in range(cfg.grad_accum):
+                t_wait = time.time()
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(it).items()}
+                wait += time.time() - t_wait
+                t = batch["taps"].shape[1]
+                ctx_pos = torch.arange(t, device=device)[None].expand(batch["taps"].shape[0], t)
+                mask = (flex_block_mask if use_flex else dense_mask)(batch["anchors"], t, cfg.block_size)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    core = ddp.module if world > 1 else ddp
+                    sync = (a == cfg.grad_accum - 1) or world == 1
+                    ctxm = ddp.no_sync() if (world > 1 and not sync) else _null()
+                    with ctxm:
+                        hidden = ddp(batch["taps"], ctx_pos, batch["block_ids"], batch["block_pos"], mask)
+                        out = draft_loss(hidden, batch["labels"], core.lm_head, block_size=cfg.block_size, gamma=gamma,
+                                         teacher=batch.get("teacher"), kl_weight=cfg.effective_kl_weight)
+                        (out["loss"] / cfg.grad_accum).backward()
+                acc_sum += out["correct"]
+                cnt_sum += out["count"]
+                loss_sum += float(out["loss"].detach())
+                n_loss += 1
+                positions += int((batch["labels"] != -100).sum())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            opt.step()
+            sched.step()
+            step += 1
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total:
+                stats = torch.cat([acc_sum, cnt_sum, torch.tensor([loss_sum, n_loss, positions, wait], device=device)])
+                if world > 1:
+                    dist.all_reduce(stats)
+                bs = cfg.block_size
+                acc = (stats[:bs] / stats[bs:2 * bs].clamp(min=1)).tolist()[1:]
+                dt = time.time() - t_log
+                row = {"step": step, "epoch": epoch, "loss": float(stats[2 * bs] / stats[2 * bs + 1]),
+                       "lr": sched.get_last_lr()[0], "acc": acc, "sim_tau": acceptance_from_acc(acc),
+                       "positions_per_s": float(stats[2 * bs + 2]) / dt, "data_wait_frac": float(stats[2 * bs + 3]) / world / dt}
+                log.write(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}")
+                acc_sum.zero_(), cnt_sum.zero_()
+                loss_sum, n_loss, positions, wait, t_log = 0.0, 0, 0, 0.0, time.time()
+            position = (epoch, s_idx + 1)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                checkpoint(*position)
+            if step >= total:
+                done = True
+                break
+        del it, dl
+        if not done:
+            position = (epoch + 1, 0)
+        epoch += 1
+    bar.close()
+    checkpoint(*position)
+    if rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
+        plot_metrics(cfg.out)
+    return {"steps": step, "run": cfg.out}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
