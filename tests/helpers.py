@@ -90,7 +90,8 @@ def tiny_target_dir(path, arch: str = "llama", num_layers: int = 6, hidden: int 
     tok = tiny_tokenizer()
     common = dict(vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                  tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  initializer_range=0.2)  # a frozen lm_head of std 0.02 could barely move the logits
     if arch == "qwen3":
         cfg = transformers.Qwen3Config(head_dim=hidden // 4, **common)
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -102,7 +103,11 @@ def tiny_target_dir(path, arch: str = "llama", num_layers: int = 6, hidden: int 
     return str(path)
 
 
-def write_chats(path, n: int, seed: int = 0, turns: int = 1) -> str:
+GREEK = "alpha beta gamma delta epsilon zeta eta theta".split()
+
+
+def write_chats(path, n: int, seed: int = 0, turns: int = 1, cyclic: bool = False) -> str:
+    """Random conversations; with `cyclic` the answers cycle through GREEK (learnable by a drafter)."""
     import json
     import random
 
@@ -113,6 +118,11 @@ def write_chats(path, n: int, seed: int = 0, turns: int = 1) -> str:
             msgs = []
             for _ in range(turns):
                 msgs.append({"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))})
-                msgs.append({"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(10, 60)))})
+                if cyclic:
+                    start = rng.randrange(len(GREEK))
+                    answer = [GREEK[(start + i) % len(GREEK)] for i in range(rng.randint(10, 40))]
+                else:
+                    answer = rng.choices(words, k=rng.randint(10, 60))
+                msgs.append({"role": "assistant", "content": " ".join(answer)})
             f.write(json.dumps({"messages": msgs}) + "\n")
     return str(path)

@@ -1,0 +1,116 @@
+"""Stage two end to end on a tiny store: learning, resume equivalence, DDP equivalence, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from extract.config import ExtractConfig
+from extract.run import run as extract
+from train.checkpoint import latest_checkpoint, load_checkpoint
+from train.config import TrainConfig
+from train.trainer import train
+from tests.helpers import tiny_target_dir, write_chats
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    target = tiny_target_dir(d / "t", "qwen3")
+    data = write_chats(d / "chats.jsonl", 24, cyclic=True)
+    path = d / "s.zarr"
+    extract(ExtractConfig(store=str(path), target=target, data=data, layers=(0, 2, 4), max_len=256,
+                          min_supervised=4, token_budget=1024, rows_per_shard=256))
+    return str(path)
+
+
+def _cfg(store, out, **kw):
+    args = dict(store=store, out=str(out), num_layers=1, block_size=4, num_anchors=16, epochs=200, token_budget=512,
+                lr=3e-3, warmup=0.05, log_every=5, workers=0, seed=3)
+    args.update(kw)
+    return TrainConfig(**args)
+
+
+def _metrics(out):
+    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_well_below_start(store, tmp_path):
+    train(_cfg(store, tmp_path / "r", max_steps=150))
+    rows = _metrics(tmp_path / "r")
+    assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
+    assert rows[-1]["sim_tau"] > rows[0]["sim_tau"]
+    assert {"step", "epoch", "loss", "lr", "acc", "sim_tau", "positions_per_s", "data_wait_frac"} <= set(rows[-1])
+    assert len(rows[-1]["acc"]) == 3 and (tmp_path / "r" / "loss.png").exists() and (tmp_path / "r" / "sim_tau.png").exists()
+
+
+def test_resume_continues_identically(store, tmp_path):
+    full = tmp_path / "full"
+    train(_cfg(store, full, max_steps=30, checkpoint_every=10, workers=2))
+    part = tmp_path / "part"
+    train(_cfg(store, part, max_steps=30, checkpoint_every=10))
+    # cut the second run back to its step-10 checkpoint, as if killed there, and resume
+    for ck in (part / "checkpoints").glob("step-*"):
+        if ck.name != "step-10":
+            import shutil
+
+            shutil.rmtree(ck)
+    lines = (part / "metrics.jsonl").read_text().splitlines()
+    (part / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    train(_cfg(store, part, max_steps=30, checkpoint_every=10, resume=True))
+    a, b = _metrics(full), _metrics(part)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-4), (x["step"], x["loss"], y["loss"])
+    wa, _, sa = load_checkpoint(latest_checkpoint(full))
+    wb, _, sb = load_checkpoint(latest_checkpoint(part))
+    assert sa["step"] == sb["step"] == 30
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_refusals(store, tmp_path):
+    with pytest.raises(ValueError, match=r"layer ids \[7\] are not stored"):
+        train(_cfg(store, tmp_path / "a", layers=(0, 7)))
+    train(_cfg(store, tmp_path / "b", max_steps=2))
+    with pytest.raises(ValueError, match="config differs.*num_layers"):
+        train(_cfg(store, tmp_path / "b", max_steps=4, num_layers=2, resume=True))
+    # an unfinalized store is refused without --follow
+    meta = Path(store) / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["draftcache_state"]["finalized"] = False
+    old = meta.read_text()
+    meta.write_text(json.dumps(doc))
+    try:
+        with pytest.raises(ValueError, match="not finalized"):
+            train(_cfg(store, tmp_path / "c"))
+    finally:
+        meta.write_text(old)
+
+
+@pytest.mark.slow
+def test_two_rank_ddp_matches_one_rank_same_global_batch(store, tmp_path):
+    one = tmp_path / "one"
+    train(_cfg(store, one, max_steps=10, grad_accum=2))
+    two = tmp_path / "two"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    args = ["--store", store, "--out", str(two), "--num-layers", "1", "--block-size", "4", "--num-anchors", "16",
+            "--epochs", "200", "--token-budget", "512", "--lr", "3e-3", "--warmup", "0.05", "--log-every", "5",
+            "--workers", "0", "--seed", "3", "--max-steps", "10"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for x, y in zip(_metrics(one), _metrics(two)):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-3)
+    wa, _, _ = load_checkpoint(latest_checkpoint(one))
+    wb, _, _ = load_checkpoint(latest_checkpoint(two))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
