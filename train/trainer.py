@@ -125,7 +125,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
     log = MetricsLog(cfg.out, rank == 0)
     config_record = {"train": cfg.to_dict(), "drafter": dc.to_dict(), "layer_ids": [reader.manifest.layer_ids[i] for i in tap_index],
-                     "store": str(cfg.store), "target": reader.manifest.target.name}
+                     "store": str(cfg.store), "target": reader.manifest.target.name,
+                     "num_target_layers": reader.manifest.target.num_layers,
+                     "target_config": {k: reader.manifest.target.config.get(k) for k in ("max_position_embeddings",)}}
 
     def checkpoint(epoch: int, in_epoch: int) -> None:
         if rank == 0:

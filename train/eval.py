@@ -1,0 +1,169 @@
+"""python -m train.eval: acceptance length τ of a trained drafter against the real target.
+
+    python -m train.eval --run runs/demo --limit 8 --max-new-tokens 64 --json
+
+For every prompt: target-only greedy decoding, DFlash speculative decoding (same code path and
+KV cache) and transformers' prompt-lookup decoding. Reports τ (tokens per target forward, bonus
+included), the acceptance histogram, speedup, and `lossless`: every DFlash output identical to the
+target's own greedy output. On CPU everything runs in float32; on GPU in bfloat16, where argmax
+ties can flip with batch shape, so the check is exact only in float32 (the JSON says which).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from train.checkpoint import latest_checkpoint, load_checkpoint
+from train.model import DFlashDrafter, DrafterConfig
+from train.spec_decode import dflash_generate, target_generate
+
+__all__ = ["evaluate"]
+
+
+def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
+    if spec == "default":
+        from extract.defaults import heldout_prompts
+
+        prompts = heldout_prompts()
+        # interleave GSM8K and HumanEval so a small --limit covers both
+        gsm = [p for p in prompts if p[0].startswith("gsm8k")]
+        he = [p for p in prompts if not p[0].startswith("gsm8k")]
+        prompts = [x for pair in zip(gsm, he) for x in pair] + gsm[len(he):] + he[len(gsm):]
+    else:
+        from extract.data import read_conversations
+
+        prompts = [(f"{spec}:{sid + 1}", [m for m in msgs if m["role"] != "assistant"])
+                   for sid, msgs in read_conversations(spec, skip_bad=False)]
+    return prompts[:limit] if limit else prompts
+
+
+def _count_forwards(model):
+    box = {"n": 0}
+    h = model.register_forward_pre_hook(lambda *_: box.__setitem__("n", box["n"] + 1))
+    return box, h
+
+
+def evaluate(*, run: str, checkpoint: str = "", prompts: str = "default", limit: int = 0,
+             max_new_tokens: int = 128, target: str = "") -> dict[str, Any]:
+    from extract.target import load_target
+
+    ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)
+    if ck is None:
+        raise ValueError(f"{run}: no checkpoint found (train first)")
+    weights, _, state = load_checkpoint(ck)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tgt = load_target(target or state["target"], device=device)
+    model, tok = tgt.model, tgt.tokenizer
+    dc = DrafterConfig(**state["drafter"])
+    drafter = DFlashDrafter(dc, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    drafter.load_state_dict(weights, strict=False)
+    drafter.to(device=device, dtype=model.dtype).eval()
+    layer_ids = list(state["layer_ids"])
+    eos = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0}
+
+    rows, hist = [], Counter()
+    base_s = spec_s = pl_s = 0.0
+    base_fw = spec_fw = pl_fw = new_tokens = pl_tokens = 0
+    lossless = True
+    for name, msgs in _prompts(prompts, limit):
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=eos)
+        spec = dflash_generate(model, drafter, layer_ids, ids, max_new_tokens=max_new_tokens, eos=eos)
+        same = spec.tokens == base.tokens
+        lossless &= same
+        hist.update(spec.accepted)
+        box, h = _count_forwards(model)
+        with torch.inference_mode():
+            import time
+
+            t0 = time.perf_counter()
+            pl = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,
+                                prompt_lookup_num_tokens=10, pad_token_id=tok.pad_token_id or 0,
+                                eos_token_id=sorted(eos))
+            pl_s += time.perf_counter() - t0
+        h.remove()
+        pl_fw += box["n"]
+        pl_tokens += pl.shape[1] - len(ids)
+        base_s, spec_s = base_s + base.seconds, spec_s + spec.seconds
+        base_fw, spec_fw, new_tokens = base_fw + base.target_forwards, spec_fw + spec.target_forwards, new_tokens + len(spec.tokens)
+        rows.append({"prompt": name, "new_tokens": len(spec.tokens), "tau": len(spec.tokens) / spec.target_forwards,
+                     "lossless": same})
+    n = len(rows)
+    return {
+        "tau": new_tokens / max(1, spec_fw),
+        "lossless": lossless,
+        "lossless_dtype": str(model.dtype).replace("torch.", ""),
+        "num_prompts": n,
+        "new_tokens": new_tokens,
+        "target_forwards": spec_fw,
+        "baseline_target_forwards": base_fw,
+        "tokens_per_s": new_tokens / max(spec_s, 1e-9),
+        "baseline_tokens_per_s": new_tokens / max(base_s, 1e-9),
+        "speedup": base_s / max(spec_s, 1e-9),
+        "baseline_prompt_lookup_tau": pl_tokens / max(1, pl_fw),
+        "baseline_prompt_lookup_speedup": (base_s / max(pl_s, 1e-9)) * (pl_tokens / max(1, new_tokens)),
+        "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
+        "device": str(device),
+        "checkpoint": str(ck),
+        "prompts": rows,
+    }
+
+
+def _plot(res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = res["acceptance_histogram"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([int(k) for k in h], list(h.values()))
+    ax.set_xlabel("tokens accepted per target forward (bonus included)")
+    ax.set_ylabel("target forwards")
+    ax.set_title(f"τ = {res['tau']:.2f} over {res['num_prompts']} prompts (prompt lookup τ = "
+                 f"{res['baseline_prompt_lookup_tau']:.2f})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+@click.command()
+@click.option("--run", required=True, help="Training run directory.")
+@click.option("--checkpoint", default="", help="Checkpoint directory [default: newest in --run].")
+@click.option("--prompts", default="default", help="'default' (held-out GSM8K slice + HumanEval) or a JSONL.")
+@click.option("--limit", default=0, help="Evaluate only the first N prompts (0 = all).")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--target", default="", help="Override the target path recorded in the run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def main(as_json: bool, **kw) -> None:
+    """Speculative decoding with the drafter against the real target: τ, speedup, lossless."""
+    try:
+        res = evaluate(**kw)
+    except (ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    out = Path(kw["run"])
+    (out / "eval.json").write_text(json.dumps(res, indent=2))
+    _plot(res, out / "acceptance.png")
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in res.items() if k != "prompts"}))
+        return
+    click.echo(f"tau {res['tau']:.3f} over {res['num_prompts']} prompts, {res['new_tokens']} new tokens "
+               f"({res['target_forwards']} target forwards vs {res['baseline_target_forwards']} greedy)")
+    click.echo(f"lossless {res['lossless']} (checked in {res['lossless_dtype']}); speedup {res['speedup']:.2f}x "
+               f"({res['tokens_per_s']:.1f} vs {res['baseline_tokens_per_s']:.1f} tok/s)")
+    click.echo(f"prompt lookup: tau {res['baseline_prompt_lookup_tau']:.3f}, speedup "
+               f"{res['baseline_prompt_lookup_speedup']:.2f}x")
+    click.echo(f"acceptance histogram {res['acceptance_histogram']}; wrote {out / 'eval.json'}, {out / 'acceptance.png'}")
+
+
+if __name__ == "__main__":
+    main()
