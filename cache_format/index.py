@@ -18,7 +18,7 @@ import zarr
 
 from cache_format.codec import checksum
 from cache_format.errors import CacheFormatError
-from cache_format.layout import STATE_KEY, commit_log_path, group_key, read_root_attrs, update_root_attrs
+from cache_format.layout import STATE_KEY, group_key, read_root_attrs, update_root_attrs
 from cache_format.logs import read_commit_log
 from cache_format.schema import Manifest
 

@@ -19,7 +19,7 @@ from zarr.core.sync import sync
 
 from cache_format.codec import bits_to_bf16, dequantize_fp8
 from cache_format.errors import CacheFormatError
-from cache_format.index import LogFollower, load_index
+from cache_format.index import load_index
 from cache_format.layout import FROZEN_FILE, STATE_KEY, read_manifest, read_root_attrs, token_arrays
 from cache_format.schema import Manifest
 

@@ -8,8 +8,6 @@ loop never waits on the disk; rank 0 finalizes once every rank has closed its wr
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -31,8 +29,9 @@ from cache_format.index import LogFollower
 from cache_format.schema import default_bucket_bounds
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
+from extract.pipeline import run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
-from extract.target import capture, decoder_parts, frozen_parts, load_target
+from extract.target import frozen_parts, load_target
 
 __all__ = ["World", "run"]
 
@@ -134,75 +133,18 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
     mine = partition(todo, [len(by_id[s].input_ids) for s in todo], world.world_size, world.rank)
     batches = token_budget_batches(mine, [len(by_id[s].input_ids) for s in mine], cfg.token_budget)
 
-    # ------------------------------------------------------------------ writer thread
-    # Each queued item holds one forward batch on the host: at most queue_batches x token_budget x
-    # bytes_per_token bytes (e.g. 4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B with 5 taps).
-    q: queue.Queue = queue.Queue(maxsize=cfg.queue_batches)
-    failure: list[BaseException] = []
-    nonfinite = Counter()
-
-    def write_loop() -> None:
-        try:
-            while (item := q.get()) is not None:
-                event, ids, hid, last, ok = item
-                if event is not None:
-                    event.synchronize()
-                for j, sid in enumerate(ids):
-                    if not ok[j]:
-                        nonfinite["NaN/Inf in hidden state"] += 1
-                        continue
-                    r, n = by_id[sid], len(by_id[sid].input_ids)
-                    writer.add(sid, input_ids=r.input_ids, loss_mask=r.loss_mask, hidden=hid[j, :n],
-                               last_hidden=last[j, :n] if last is not None else None)
-            writer.close()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            failure.append(e)
-            while q.get() is not None:  # drain so the producer never blocks forever
-                pass
-
-    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True)
-    thread.start()
-
-    # ------------------------------------------------------------------ forward loop
-    base, _, _ = decoder_parts(target.model)
-    tokens = 0
+    # ------------------------------------------------------------------ forward -> store
+    # Host RAM for queued batches is at most queue_batches x token_budget x bytes_per_token
+    # (e.g. 4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard per bucket.
     bar = tqdm(total=sum(len(by_id[s].input_ids) for s in mine), unit="tok", disable=world.rank != 0,
                desc=f"extract x{world.world_size}")
     t_loop = time.time()
     try:
-        with capture(target.model, layer_ids) as taps, torch.inference_mode():
-            for batch in batches:
-                if failure:
-                    break
-                lens = [len(by_id[s].input_ids) for s in batch]
-                ids = torch.zeros(len(batch), max(lens), dtype=torch.long)
-                att = torch.zeros_like(ids)
-                for j, s in enumerate(batch):
-                    ids[j, : lens[j]] = by_id[s].input_ids
-                    att[j, : lens[j]] = 1
-                ids, att = ids.to(device, non_blocking=True), att.to(device, non_blocking=True)
-                out = base(input_ids=ids, attention_mask=att, use_cache=False)
-                hid = torch.cat([taps[lid] for lid in layer_ids], dim=-1).to(torch.bfloat16)  # [B, T, K*H]
-                last = out.last_hidden_state.to(torch.bfloat16) if cfg.last_hidden else None  # [B, T, H]
-                bad = ~torch.isfinite(hid).all(-1)
-                if last is not None:
-                    bad |= ~torch.isfinite(last).all(-1)
-                ok = ~(bad & att.bool()).any(-1)  # [B]
-                event = None
-                if device.type == "cuda":
-                    hid, ok = hid.to("cpu", non_blocking=True), ok.to("cpu", non_blocking=True)
-                    last = last.to("cpu", non_blocking=True) if last is not None else None
-                    event = torch.cuda.Event()
-                    event.record()
-                q.put((event, batch, hid, last, ok))
-                tokens += sum(lens)
-                bar.update(sum(lens))
+        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writer,
+                                last_hidden=cfg.last_hidden, queue_batches=cfg.queue_batches, on_batch=bar.update)
     finally:
-        q.put(None)
-        thread.join()
         bar.close()
-    if failure:
-        raise failure[0]
+    tokens = sum(len(by_id[s].input_ids) for s in mine)
     elapsed = time.time() - t_loop
 
     # ------------------------------------------------------------------ finalize and report

@@ -57,6 +57,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     distribution is the soft label for token p+k.
     """
     b, q, h = hidden.shape
+    if lm_head.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        lm_head = lm_head.to(hidden.dtype)  # CPU float32 training over a bf16 store
     slot = torch.arange(q, device=hidden.device) % block_size
     w_all = decay_weights(block_size, gamma).to(hidden.device)[slot].expand(b, q)
     keep = labels != IGNORE

@@ -11,6 +11,7 @@ are the target's, frozen; they are buffers here and never saved with the drafter
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,8 +48,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        xf = x.float()  # normalise in float32, return the input dtype (keeps q, k, v one dtype under autocast)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
 
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +63,14 @@ def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    """flex_attention compiled once per process (uncompiled it runs a slow dense fallback)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
 
 
 class DraftLayer(nn.Module):
@@ -98,9 +107,7 @@ class DraftLayer(nn.Module):
         v = self.v_proj(h).view(b, q_len, -1, hd).transpose(1, 2)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
         if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
-            from torch.nn.attention.flex_attention import flex_attention
-
-            o = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+            o = _compiled_flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
         else:
             rep = self.c.num_heads // self.c.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

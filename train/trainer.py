@@ -58,6 +58,22 @@ def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor]) -> DFlashD
     return DFlashDrafter(dc, emb, head)
 
 
+def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, gamma: float, kl_weight: float,
+                     use_flex: bool, grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """One micro-batch (already on the device): drafter forward, chunked loss, backward."""
+    taps = batch["taps"]  # [b, T, K*H]
+    t = taps.shape[1]
+    ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
+    mask = (flex_block_mask if use_flex else dense_mask)(batch["anchors"], t, block_size)
+    core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
+        hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
+        out = draft_loss(hidden, batch["labels"], core.lm_head, block_size=block_size, gamma=gamma,
+                         teacher=batch.get("teacher"), kl_weight=kl_weight)
+    (out["loss"] * grad_scale).backward()
+    return out
+
+
 def _lr_lambda(total: int, warmup: float):
     w = max(1, int(total * warmup))
 
@@ -141,7 +157,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     bar = tqdm(total=total, initial=step, disable=rank != 0, desc="train", unit="step")
     acc_sum = torch.zeros(cfg.block_size, device=device)
     cnt_sum = torch.zeros(cfg.block_size, device=device)
-    loss_sum, n_loss, positions, wait, t_log = 0.0, 0, 0, 0.0, time.time()
+    zero = lambda: torch.zeros((), device=device)  # noqa: E731
+    loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
     epoch = start_epoch
     position = (start_epoch, skip)
     done = step >= total
@@ -169,30 +186,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 t_wait = time.time()
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(it).items()}
                 wait += time.time() - t_wait
-                t = batch["taps"].shape[1]
-                ctx_pos = torch.arange(t, device=device)[None].expand(batch["taps"].shape[0], t)
-                mask = (flex_block_mask if use_flex else dense_mask)(batch["anchors"], t, cfg.block_size)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    core = ddp.module if world > 1 else ddp
-                    sync = (a == cfg.grad_accum - 1) or world == 1
-                    ctxm = ddp.no_sync() if (world > 1 and not sync) else _null()
-                    with ctxm:
-                        hidden = ddp(batch["taps"], ctx_pos, batch["block_ids"], batch["block_pos"], mask)
-                        out = draft_loss(hidden, batch["labels"], core.lm_head, block_size=cfg.block_size, gamma=gamma,
-                                         teacher=batch.get("teacher"), kl_weight=cfg.effective_kl_weight)
-                        (out["loss"] / cfg.grad_accum).backward()
+                sync = (a == cfg.grad_accum - 1) or world == 1
+                with ddp.no_sync() if not sync else _null():
+                    out = forward_backward(ddp, batch, block_size=cfg.block_size, gamma=gamma,
+                                           kl_weight=cfg.effective_kl_weight, use_flex=use_flex,
+                                           grad_scale=1.0 / cfg.grad_accum)
                 acc_sum += out["correct"]
                 cnt_sum += out["count"]
-                loss_sum += float(out["loss"].detach())
+                loss_sum += out["loss"].detach()  # device tensors: no host sync per step
                 n_loss += 1
-                positions += int((batch["labels"] != -100).sum())
+                positions += (batch["labels"] != -100).sum()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
             opt.step()
             sched.step()
             step += 1
             bar.update(1)
             if step % cfg.log_every == 0 or step == total:
-                stats = torch.cat([acc_sum, cnt_sum, torch.tensor([loss_sum, n_loss, positions, wait], device=device)])
+                stats = torch.cat([acc_sum, cnt_sum, loss_sum[None], torch.tensor([n_loss], device=device),
+                                   positions[None].float(), torch.tensor([wait], device=device)])
                 if world > 1:
                     dist.all_reduce(stats)
                 bs = cfg.block_size
@@ -204,7 +215,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 log.write(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}")
                 acc_sum.zero_(), cnt_sum.zero_()
-                loss_sum, n_loss, positions, wait, t_log = 0.0, 0, 0, 0.0, time.time()
+                loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
             position = (epoch, s_idx + 1)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 checkpoint(*position)

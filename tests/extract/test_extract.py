@@ -63,7 +63,7 @@ def test_taps_equal_output_hidden_states(tmp_path, arch, chats):
     from extract.target import load_target
 
     t = load_target(target, device=torch.device("cpu"))
-    for sid, (ids, mask, hidden, last) in list(content(store).items())[:5]:
+    for _sid, (ids, _mask, hidden, last) in list(content(store).items())[:5]:
         with torch.no_grad():
             out = t.model(ids[None], output_hidden_states=True)
         hs = out.hidden_states  # [embeddings, layer 0 out, ..., final normed]

@@ -13,10 +13,10 @@ import torch
 
 from extract.config import ExtractConfig
 from extract.run import run as extract
+from tests.helpers import tiny_target_dir, write_chats
 from train.checkpoint import latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from train.trainer import train
-from tests.helpers import tiny_target_dir, write_chats
 
 ROOT = Path(__file__).resolve().parents[2]
 

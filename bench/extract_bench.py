@@ -1,0 +1,94 @@
+"""Extraction rate with the store vs the bare forward, same model, same batches, one run.
+
+    python bench/extract_bench.py --store /dev/shm/xb.zarr --shape qwen3-8b --batches 20 --batch 8 --seq 2048
+
+Random-weight target built from a config (no download), bf16 on GPU. "bare" runs the decoder
+stack with the same hooks, concatenation and finiteness check; "store" adds the host copies, the
+writer thread and the zarr store (extract.pipeline.run_batches, exactly what `python -m extract`
+runs). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+
+import torch
+
+from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store
+from extract.data import Rendered
+from extract.pipeline import run_batches
+from extract.plan import dflash_layer_ids
+
+SHAPES = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=1000),
+}
+
+
+def build(shape: str, device: torch.device) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**SHAPES[shape], attn_implementation="sdpa")
+    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", default="/dev/shm/draftcache_extract_bench.zarr")
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batches", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--last-hidden", action="store_true")
+    ap.add_argument("--queue-batches", type=int, default=4)
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build(a.shape, dev)
+    n_layers, h = model.config.num_hidden_layers, model.config.hidden_size
+    layer_ids = dflash_layer_ids(n_layers, 5)
+    g = torch.Generator().manual_seed(0)
+    batches = [[Rendered(b * a.batch + j, torch.randint(0, model.config.vocab_size, (a.seq,), generator=g),
+                         torch.ones(a.seq, dtype=torch.uint8), False) for j in range(a.batch)]
+               for b in range(a.batches + a.warmup)]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    run_batches(model, layer_ids, batches[: a.warmup], None, last_hidden=a.last_hidden, queue_batches=1)
+    sync()
+    tokens = a.batches * a.batch * a.seq
+    t0 = time.perf_counter()
+    run_batches(model, layer_ids, batches[a.warmup:], None, last_hidden=a.last_hidden, queue_batches=1)
+    sync()
+    bare = tokens / (time.perf_counter() - t0)
+    shutil.rmtree(a.store, ignore_errors=True)
+    m = Manifest(target=TargetInfo(name=f"random-{a.shape}", sha256="-", num_layers=n_layers, hidden_size=h,
+                                   vocab_size=model.config.vocab_size),
+                 tokenizer_sha256="-", layer_ids=tuple(layer_ids), last_hidden=a.last_hidden,
+                 dataset=DatasetInfo(path="-", sha256="-", num_records=len(batches) * a.batch), max_len=a.seq,
+                 bucket_bounds=(a.seq,), rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
+    create_store(a.store, m)
+    w = ShardWriter(a.store, writer_id=0)
+    t0 = time.perf_counter()
+    run_batches(model, layer_ids, batches[a.warmup:], w, last_hidden=a.last_hidden, queue_batches=a.queue_batches)
+    sync()
+    with_store = tokens / (time.perf_counter() - t0)
+    finalize_store(a.store, m)
+    bytes_tok = m.bytes_per_token()
+    print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                      "batch": a.batch, "seq": a.seq, "batches": a.batches, "layer_ids": layer_ids,
+                      "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
+                      "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}))
+
+
+if __name__ == "__main__":
+    main()

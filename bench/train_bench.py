@@ -1,0 +1,146 @@
+"""Drafter training rate fed from the store vs the same batches already in GPU memory; MFU.
+
+    python bench/train_bench.py --store /dev/shm/tb.zarr --shape qwen3-8b --samples 48 --seq 2048 --steps 20
+
+Builds a synthetic store (random bf16 taps, K=5) of `samples` sequences, then runs
+train.trainer.forward_backward + AdamW on a DFlash drafter (5 layers, dims of the shape, 512
+anchors x block 16) twice over the same micro-batches: (a) every batch preloaded on the GPU,
+(b) read through train.data.BatchDataset + DataLoader workers (what `python -m train` runs).
+MFU counts matmul FLOPs of the trainable layers (6 per parameter per token), the frozen lm_head
+(4 V H per draft position: forward + input gradient) and attention (visible keys only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+
+import numpy as np
+import torch
+
+from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store, write_frozen
+from train.data import BatchDataset, plan_epoch
+from train.model import DFlashDrafter, DrafterConfig
+from train.trainer import forward_backward
+
+SHAPES = {"qwen3-8b": (4096, 12288, 32, 8, 128, 151936), "qwen3-32b": (5120, 25600, 64, 8, 128, 151936),
+          "tiny": (128, 256, 4, 2, 32, 1000)}
+
+
+def make_store(path: str, shape: str, samples: int, seq: int) -> Manifest:
+    h, _, _, _, _, v = SHAPES[shape]
+    shutil.rmtree(path, ignore_errors=True)
+    m = Manifest(target=TargetInfo(name=f"random-{shape}", sha256="-", num_layers=36, hidden_size=h, vocab_size=v),
+                 tokenizer_sha256="-", layer_ids=(1, 9, 17, 25, 33), last_hidden=False,
+                 dataset=DatasetInfo(path="-", sha256="-", num_records=samples), max_len=seq, bucket_bounds=(seq,),
+                 rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
+    create_store(path, m)
+    g = torch.Generator().manual_seed(0)
+    write_frozen(path, {"embed_tokens.weight": torch.randn(v, h, generator=g).bfloat16() * 0.02,
+                        "lm_head.weight": torch.randn(v, h, generator=g).bfloat16() * 0.02,
+                        "norm.weight": torch.ones(h).bfloat16()})
+    pool = torch.randn(seq, 5 * h, generator=g).bfloat16()
+    with ShardWriter(path, writer_id=0) as w:
+        for i in range(samples):
+            w.add(i, input_ids=torch.randint(0, v, (seq,), generator=g), loss_mask=torch.ones(seq, dtype=torch.uint8),
+                  hidden=pool)
+    finalize_store(path, m)
+    return m
+
+
+def flops_per_step(dc: DrafterConfig, batch: dict, anchors_per_seq: int) -> float:
+    h, hd = dc.hidden_size, dc.head_dim
+    layer = h * hd * (dc.num_heads * 2 + dc.num_kv_heads * 2) + 3 * h * dc.intermediate_size
+    q = batch["block_ids"].numel()
+    t = int(batch["ctx_len"].sum())
+    kv = 2 * h * dc.num_kv_heads * hd
+    pos = int((batch["labels"] != -100).sum())
+    avg_visible = batch["taps"].shape[1] / 2 + dc.block_size
+    attn = 4 * q * avg_visible * dc.num_heads * hd * dc.num_layers * 3  # QK^T and PV, fwd + 2x bwd
+    return 6 * q * layer * dc.num_layers + 6 * t * (5 * h * h + kv * dc.num_layers) + 4 * pos * dc.vocab_size * h + attn
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", default="/dev/shm/draftcache_train_bench.zarr")
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--samples", type=int, default=48)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    m = make_store(a.store, a.shape, a.samples, a.seq)
+    h, inter, nh, nkv, hd, v = SHAPES[a.shape]
+    dc = DrafterConfig(hidden_size=h, intermediate_size=inter, num_layers=a.layers, num_heads=nh, num_kv_heads=nkv,
+                       head_dim=hd, vocab_size=v, num_taps=5, block_size=16, mask_token_id=v - 1, rope_theta=1e6)
+    from cache_format import StoreReader
+
+    r = StoreReader(a.store)
+    fr = r.frozen()
+    model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"]).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    steps = plan_epoch(r.sample_ids, r.lengths(), r.buckets(), token_budget=a.token_budget, seed=0, epoch=0,
+                       ranks=1, grad_accum=1)
+    micro = [s[0] for s in steps]
+    need = a.steps + a.warmup
+    micro = (micro * (need // max(1, len(micro)) + 1))[:need]
+    ds = BatchDataset(a.store, micro, list(range(len(micro))), tap_index=[0, 1, 2, 3, 4], num_stored_taps=5,
+                      num_anchors=a.anchors, block_size=16, mask_token_id=dc.mask_token_id, seed=0, epoch=0,
+                      with_teacher=False)
+    use_flex = dev.type == "cuda"
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def step(batch):
+        opt.zero_grad(set_to_none=True)
+        out = forward_backward(model, batch, block_size=16, gamma=7.0, kl_weight=0.0, use_flex=use_flex)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return out
+
+    # (a) in GPU memory
+    gpu = [{k: t.to(dev) for k, t in ds[i].items()} for i in range(len(micro))]
+    for b in gpu[: a.warmup]:
+        step(b)
+    sync()
+    t0 = time.perf_counter()
+    for b in gpu[a.warmup:]:
+        step(b)
+    sync()
+    t_mem = time.perf_counter() - t0
+    positions = sum(int((b["labels"] != -100).sum()) for b in gpu[a.warmup:])
+    flops = sum(flops_per_step(dc, b, a.anchors) for b in gpu[a.warmup:])
+    del gpu
+    # (b) from the store, same micro-batches, DataLoader workers with pinned memory
+    dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers, pin_memory=dev.type == "cuda",
+                                     prefetch_factor=4 if a.workers else None)
+    it = iter(dl)
+    for _ in range(a.warmup):
+        step({k: t.to(dev, non_blocking=True) for k, t in next(it).items()})
+    sync()
+    t0, wait = time.perf_counter(), 0.0
+    for _ in range(a.steps):
+        tw = time.perf_counter()
+        b = next(it)
+        wait += time.perf_counter() - tw
+        step({k: t.to(dev, non_blocking=True) for k, t in b.items()})
+    sync()
+    t_store = time.perf_counter() - t0
+    print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                      "layers": a.layers, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
+                      "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
+                      "ratio": t_mem / t_store, "data_wait_frac": wait / t_store,
+                      "tflops_memory": flops / t_mem / 1e12, "mfu_memory": flops / t_mem / 1e12 / a.peak_tflops,
+                      "mfu_store": flops / t_store / 1e12 / a.peak_tflops, "trainable_params":
+                      sum(p.numel() for p in model.parameters() if p.requires_grad)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The forward -> host -> store pipeline of one rank, shared by `extract.run` and the benchmark.
+
+The GPU thread (the caller) runs the decoder stack with hooks, starts non-blocking device-to-host
+copies and queues the batch; a writer thread waits on the copy's event and feeds the ShardWriter.
+The queue is bounded, so host RAM is bounded and a slow disk slows the GPU rather than OOMing.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+
+from cache_format import ShardWriter
+from extract.data import Rendered
+from extract.target import capture, decoder_parts
+
+__all__ = ["run_batches"]
+
+
+def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    lens = [len(r.input_ids) for r in batch]
+    ids = torch.zeros(len(batch), max(lens), dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for j, r in enumerate(batch):
+        ids[j, : lens[j]] = r.input_ids
+        att[j, : lens[j]] = 1
+    if device.type == "cuda":
+        ids, att = ids.pin_memory(), att.pin_memory()
+    return ids.to(device, non_blocking=True), att.to(device, non_blocking=True)
+
+
+def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
+                writer: ShardWriter | None, *, last_hidden: bool, queue_batches: int,
+                on_batch: Callable[[int], None] = lambda n: None) -> Counter:
+    """Extract every batch; returns counts of refused samples. writer=None runs the bare forward
+    (same hooks, concatenation and finiteness check, no host copy and no store) for benchmarks."""
+    device = next(model.parameters()).device
+    base, _, _ = decoder_parts(model)
+    q: queue.Queue = queue.Queue(maxsize=queue_batches)
+    failure: list[BaseException] = []
+    refused: Counter = Counter()
+
+    def write_loop() -> None:
+        try:
+            while (item := q.get()) is not None:
+                event, batch, hid, last, ok = item
+                if event is not None:
+                    event.synchronize()
+                for j, r in enumerate(batch):
+                    if not ok[j]:
+                        refused["NaN/Inf in hidden state"] += 1
+                        continue
+                    n = len(r.input_ids)
+                    writer.add(r.sample_id, input_ids=r.input_ids, loss_mask=r.loss_mask, hidden=hid[j, :n],
+                               last_hidden=last[j, :n] if last is not None else None)
+            writer.close()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(e)
+            while q.get() is not None:  # drain so the producer never blocks forever
+                pass
+
+    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True) if writer else None
+    if thread:
+        thread.start()
+    try:
+        with capture(model, layer_ids) as taps, torch.inference_mode():
+            for batch in batches:
+                if failure:
+                    break
+                ids, att = _pad(batch, device)
+                out = base(input_ids=ids, attention_mask=att, use_cache=False)
+                hid = torch.cat([taps[lid] for lid in layer_ids], dim=-1).to(torch.bfloat16)  # [B, T, K*H]
+                last = out.last_hidden_state.to(torch.bfloat16) if last_hidden else None  # [B, T, H]
+                bad = ~torch.isfinite(hid).all(-1)
+                if last is not None:
+                    bad |= ~torch.isfinite(last).all(-1)
+                ok = ~(bad & att.bool()).any(-1)  # [B]
+                if writer is None:
+                    refused["NaN/Inf in hidden state"] += int((~ok).sum())  # syncs, like the copy would
+                else:
+                    event = None
+                    if device.type == "cuda":
+                        hid, ok = hid.to("cpu", non_blocking=True), ok.to("cpu", non_blocking=True)
+                        last = last.to("cpu", non_blocking=True) if last is not None else None
+                        event = torch.cuda.Event()
+                        event.record()
+                    q.put((event, batch, hid, last, ok))
+                on_batch(sum(len(r.input_ids) for r in batch))
+    finally:
+        if thread:
+            q.put(None)
+            thread.join()
+    if failure:
+        raise failure[0]
+    return refused
