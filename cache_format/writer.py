@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
@@ -234,11 +235,16 @@ class ShardWriter:
         with _os_errors(self.root), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             crc = {}
+            raw = bucket.fill == self._rows and self.manifest.compression == "none"
             for a in self._arrays:
                 z, data = arrays[a.name], bucket.buf[a.name][: bucket.fill]
                 if z.shape[0] != end:
                     z.resize((end, *z.shape[1:]))
-                z[bucket.base: end] = data
+                if raw:  # a whole uncompressed shard: its zarr v3 bytes are the rows + an index
+                    write_raw_shard(shard_file(self.root, group_key(self.writer_id, b), a, bucket.base // self._rows),
+                                    data, self.manifest.rows_per_chunk if a.width else 0)
+                else:
+                    z[bucket.base: end] = data
                 crc[a.name] = checksum(data)
             done = [(sid, n) for sid, n, e in bucket.pending if e <= end]
             entry = {"bucket": b, "shard": bucket.base // self._rows, "rows": bucket.fill,
@@ -278,6 +284,42 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
+
+
+def write_raw_shard(path: Path, data: np.ndarray, chunk_rows: int) -> None:
+    """Write one full, uncompressed shard exactly as zarr v3 would, without zarr's encode copies.
+
+    zarr-python's sharded write path measured 0.47 GB/s inside extraction on an H200 host; this
+    one is a single buffered write. Layout (zarr v3 sharding codec, index at the end): the inner
+    chunks' little-endian C-order bytes back to back, then a uint64 (offset, nbytes) pair per
+    chunk, then the crc32c of that index (little-endian uint32). chunk_rows=0 writes a plain
+    unsharded chunk (the 1-D arrays). Temp file + rename, like zarr's LocalStore.
+    """
+    import uuid
+
+    data = np.ascontiguousarray(data)
+    if data.dtype.byteorder == ">":
+        raise ValueError("big-endian buffers are not supported")
+    tail = b""
+    if chunk_rows:
+        n = data.shape[0] // chunk_rows
+        size = data.nbytes // n
+        index = np.empty((n, 2), dtype="<u8")
+        index[:, 0] = np.arange(n, dtype=np.uint64) * size
+        index[:, 1] = size
+        crc = google_crc32c.Checksum()
+        crc.update(index.tobytes())
+        tail = index.tobytes() + int.from_bytes(crc.digest(), "big").to_bytes(4, "little")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(memoryview(data).cast("B"))
+            f.write(tail)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _logical_dtype(a: TokenArray, m: Manifest) -> str:

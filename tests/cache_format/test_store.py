@@ -159,3 +159,22 @@ def test_duplicate_add_refused(tmp_path):
     with pytest.raises(CacheFormatError, match="sample 2: hidden has shape"):
         w.add(2, input_ids=torch.zeros(4), loss_mask=torch.zeros(4), hidden=torch.zeros(4, 3),
               last_hidden=torch.zeros(4, 8))
+
+
+def test_raw_shard_bytes_equal_zarr_encoding(tmp_path):
+    import numpy as np
+    import zarr
+
+    from cache_format.writer import write_raw_shard
+
+    x = np.random.default_rng(0).integers(0, 65535, (64, 6), dtype=np.uint16)
+    a = zarr.create_array(str(tmp_path / "z.zarr"), shape=(64, 6), dtype="uint16", chunks=(8, 6), shards=(32, 6),
+                          compressors=None, fill_value=0, config={"write_empty_chunks": True})
+    a[:] = x
+    write_raw_shard(tmp_path / "raw" / "0", x[32:], 8)
+    assert (tmp_path / "raw" / "0").read_bytes() == (tmp_path / "z.zarr" / "c" / "1" / "0").read_bytes()
+    b = zarr.create_array(str(tmp_path / "y.zarr"), shape=(64,), dtype="int32", chunks=(32,), compressors=None,
+                          fill_value=0)
+    b[:] = np.arange(64, dtype=np.int32)
+    write_raw_shard(tmp_path / "raw1", np.arange(32, 64, dtype=np.int32), 0)
+    assert (tmp_path / "raw1").read_bytes() == (tmp_path / "y.zarr" / "c" / "1").read_bytes()
