@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--last-hidden", action="store_true")
     ap.add_argument("--queue-batches", type=int, default=4)
+    ap.add_argument("--writer-threads", type=int, default=2)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(a.shape, dev)
@@ -63,11 +64,11 @@ def main() -> None:
                          torch.ones(a.seq, dtype=torch.uint8), False) for j in range(a.batch)]
                for b in range(a.batches + a.warmup)]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    run_batches(model, layer_ids, batches[: a.warmup], None, last_hidden=a.last_hidden, queue_batches=1)
+    run_batches(model, layer_ids, batches[: a.warmup], [], last_hidden=a.last_hidden, queue_batches=1)
     sync()
     tokens = a.batches * a.batch * a.seq
     t0 = time.perf_counter()
-    run_batches(model, layer_ids, batches[a.warmup:], None, last_hidden=a.last_hidden, queue_batches=1)
+    run_batches(model, layer_ids, batches[a.warmup:], [], last_hidden=a.last_hidden, queue_batches=1)
     sync()
     bare = tokens / (time.perf_counter() - t0)
     shutil.rmtree(a.store, ignore_errors=True)
@@ -77,15 +78,15 @@ def main() -> None:
                  dataset=DatasetInfo(path="-", sha256="-", num_records=len(batches) * a.batch), max_len=a.seq,
                  bucket_bounds=(a.seq,), rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
     create_store(a.store, m)
-    w = ShardWriter(a.store, writer_id=0)
+    ws = [ShardWriter(a.store, writer_id=t) for t in range(a.writer_threads)]
     t0 = time.perf_counter()
-    run_batches(model, layer_ids, batches[a.warmup:], w, last_hidden=a.last_hidden, queue_batches=a.queue_batches)
+    run_batches(model, layer_ids, batches[a.warmup:], ws, last_hidden=a.last_hidden, queue_batches=a.queue_batches)
     sync()
     with_store = tokens / (time.perf_counter() - t0)
     finalize_store(a.store, m)
     bytes_tok = m.bytes_per_token()
     print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                      "batch": a.batch, "seq": a.seq, "batches": a.batches, "layer_ids": layer_ids,
+                      "batch": a.batch, "seq": a.seq, "writer_threads": a.writer_threads, "batches": a.batches, "layer_ids": layer_ids,
                       "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
                       "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}))
 

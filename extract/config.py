@@ -39,6 +39,8 @@ class ExtractConfig:
     """Tokens per shard; 0 = about 64 MiB of hidden states per shard."""
     queue_batches: int = 4
     """Forward batches waiting for the writer; bounds host RAM (see --help)."""
+    writer_threads: int = 2
+    """Store writer threads per rank, each committing its own shards (writer id rank*threads+t)."""
     skip_bad: bool = False
     """Count and skip malformed JSON lines instead of stopping at the first."""
     overwrite: bool = False
@@ -65,6 +67,8 @@ class ExtractConfig:
             raise ValueError(f"compression must be none or blosc-zstd1, got {self.compression!r}")
         if self.token_budget < self.max_len:
             raise ValueError(f"token_budget ({self.token_budget}) must be >= max_len ({self.max_len})")
+        if self.writer_threads < 1:
+            raise ValueError(f"writer_threads must be >= 1, got {self.writer_threads}")
         if self.rows_per_shard < 0 or self.queue_batches < 1 or self.limit < 0:
             raise ValueError("rows_per_shard and limit must be >= 0, queue_batches >= 1")
 

@@ -34,17 +34,21 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 
 
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
-                writer: ShardWriter | None, *, last_hidden: bool, queue_batches: int,
+                writers: Sequence[ShardWriter], *, last_hidden: bool, queue_batches: int,
                 on_batch: Callable[[int], None] = lambda n: None) -> Counter:
-    """Extract every batch; returns counts of refused samples. writer=None runs the bare forward
-    (same hooks, concatenation and finiteness check, no host copy and no store) for benchmarks."""
+    """Extract every batch; returns counts of refused samples.
+
+    Batch i goes to writer thread i % len(writers), each with its own ShardWriter (writer id), so
+    disk writes proceed in parallel (file writes and copies release the GIL). No writers runs
+    the bare forward (same hooks, concatenation and finiteness check, no host copy, no store).
+    """
     device = next(model.parameters()).device
     base, _, _ = decoder_parts(model)
-    q: queue.Queue = queue.Queue(maxsize=queue_batches)
+    queues = [queue.Queue(maxsize=max(1, queue_batches // max(1, len(writers)))) for _ in writers]
     failure: list[BaseException] = []
     refused: Counter = Counter()
 
-    def write_loop() -> None:
+    def write_loop(q: queue.Queue, writer: ShardWriter) -> None:
         try:
             while (item := q.get()) is not None:
                 event, batch, hid, last, ok = item
@@ -63,12 +67,13 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
             while q.get() is not None:  # drain so the producer never blocks forever
                 pass
 
-    thread = threading.Thread(target=write_loop, name="store-writer", daemon=True) if writer else None
-    if thread:
-        thread.start()
+    threads = [threading.Thread(target=write_loop, args=(q, w), name=f"store-writer-{w.writer_id}", daemon=True)
+               for q, w in zip(queues, writers)]
+    for t in threads:
+        t.start()
     try:
         with capture(model, layer_ids) as taps, torch.inference_mode():
-            for batch in batches:
+            for i, batch in enumerate(batches):
                 if failure:
                     break
                 ids, att = _pad(batch, device)
@@ -79,7 +84,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                 if last is not None:
                     bad |= ~torch.isfinite(last).all(-1)
                 ok = ~(bad & att.bool()).any(-1)  # [B]
-                if writer is None:
+                if not writers:
                     refused["NaN/Inf in hidden state"] += int((~ok).sum())  # syncs, like the copy would
                 else:
                     event = None
@@ -88,12 +93,13 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                         last = last.to("cpu", non_blocking=True) if last is not None else None
                         event = torch.cuda.Event()
                         event.record()
-                    q.put((event, batch, hid, last, ok))
+                    queues[i % len(queues)].put((event, batch, hid, last, ok))
                 on_batch(sum(len(r.input_ids) for r in batch))
     finally:
-        if thread:
+        for q in queues:
             q.put(None)
-            thread.join()
+        for t in threads:
+            t.join()
     if failure:
         raise failure[0]
     return refused

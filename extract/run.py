@@ -125,10 +125,10 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
     _barrier(world)
-    writer = ShardWriter(cfg.store, writer_id=world.rank)
+    writers = [ShardWriter(cfg.store, writer_id=world.rank * cfg.writer_threads + t) for t in range(cfg.writer_threads)]
     follower = LogFollower(Path(cfg.store))
     follower.poll()  # committed by any writer id: a resume with another world size skips them too
-    committed = set(follower.index.sample_ids.tolist()) | writer.committed
+    committed = set(follower.index.sample_ids.tolist())
     todo = [r.sample_id for r in samples if r.sample_id not in committed]
     mine = partition(todo, [len(by_id[s].input_ids) for s in todo], world.world_size, world.rank)
     batches = token_budget_batches(mine, [len(by_id[s].input_ids) for s in mine], cfg.token_budget)
@@ -140,7 +140,7 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
                desc=f"extract x{world.world_size}")
     t_loop = time.time()
     try:
-        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writer,
+        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writers,
                                 last_hidden=cfg.last_hidden, queue_batches=cfg.queue_batches, on_batch=bar.update)
     finally:
         bar.close()

@@ -51,7 +51,7 @@ def _count_forwards(model):
 
 
 def evaluate(*, run: str, checkpoint: str = "", prompts: str = "default", limit: int = 0,
-             max_new_tokens: int = 128, target: str = "") -> dict[str, Any]:
+             max_new_tokens: int = 128, target: str = "", dtype: str = "float32") -> dict[str, Any]:
     from extract.target import load_target
 
     ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)
@@ -59,7 +59,7 @@ def evaluate(*, run: str, checkpoint: str = "", prompts: str = "default", limit:
         raise ValueError(f"{run}: no checkpoint found (train first)")
     weights, _, state = load_checkpoint(ck)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tgt = load_target(target or state["target"], device=device)
+    tgt = load_target(target or state["target"], device=device, dtype=getattr(torch, dtype))
     model, tok = tgt.model, tgt.tokenizer
     dc = DrafterConfig(**state["drafter"])
     drafter = DFlashDrafter(dc, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
@@ -142,6 +142,8 @@ def _plot(res: dict[str, Any], path: Path) -> None:
 @click.option("--limit", default=0, help="Evaluate only the first N prompts (0 = all).")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--target", default="", help="Override the target path recorded in the run.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Target dtype; the lossless check is exact only in float32 (bf16 argmax ties flip).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def main(as_json: bool, **kw) -> None:
     """Speculative decoding with the drafter against the real target: τ, speedup, lossless."""
