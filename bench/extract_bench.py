@@ -53,7 +53,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--last-hidden", action="store_true")
     ap.add_argument("--queue-batches", type=int, default=4)
-    ap.add_argument("--writer-threads", type=int, default=2)
+    ap.add_argument("--writer-threads", type=int, default=1)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(a.shape, dev)

@@ -138,7 +138,8 @@ class Manifest:
 
     @property
     def num_buckets(self) -> int:
-        return len(self.bucket_bounds) + 1
+        """Bounded buckets, plus an open one only when samples can be longer than the last bound."""
+        return len(self.bucket_bounds) + (1 if self.bucket_bounds[-1] < self.max_len else 0)
 
     def bucket_range(self, bucket: int) -> tuple[int, int]:
         """Inclusive (lo, hi) token lengths of a bucket; the last bucket is capped by max_len."""

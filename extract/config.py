@@ -39,7 +39,7 @@ class ExtractConfig:
     """Tokens per shard; 0 = about 64 MiB of hidden states per shard."""
     queue_batches: int = 4
     """Forward batches waiting for the writer; bounds host RAM (see --help)."""
-    writer_threads: int = 2
+    writer_threads: int = 1
     """Store writer threads per rank, each committing its own shards (writer id rank*threads+t)."""
     skip_bad: bool = False
     """Count and skip malformed JSON lines instead of stopping at the first."""
