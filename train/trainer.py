@@ -230,7 +230,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     checkpoint(*position)
     if rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
         plot_metrics(cfg.out)
-    return {"steps": step, "run": cfg.out}
+    return {"steps": step, "run": cfg.out, "samples_last_epoch": len(reader), "finalized": reader.finalized}
 
 
 class _null:

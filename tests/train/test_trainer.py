@@ -114,3 +114,29 @@ def test_two_rank_ddp_matches_one_rank_same_global_batch(store, tmp_path):
     wb, _, _ = load_checkpoint(latest_checkpoint(two))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_follow_mode_trains_while_stage_one_writes(tmp_path):
+    from cache_format import TargetInfo, create_store, write_frozen
+    from tests.helpers import make_manifest
+
+    cfg = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 16}
+    m = make_manifest(target=TargetInfo(name="tiny", sha256="0", num_layers=4, hidden_size=8, vocab_size=100,
+                                        config=cfg), rows_per_shard=64)
+    path = tmp_path / "s.zarr"
+    create_store(path, m)
+    g = torch.Generator().manual_seed(0)
+    write_frozen(path, {"embed_tokens.weight": torch.randn(100, 8, generator=g),
+                        "lm_head.weight": torch.randn(100, 8, generator=g), "norm.weight": torch.ones(8)})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    writer = subprocess.Popen([sys.executable, "-m", "tests.train.follow_writer", str(path), "60", "4"], cwd=ROOT, env=env)
+    try:
+        res = train(TrainConfig(store=str(path), out=str(tmp_path / "run"), num_layers=1, block_size=4, num_anchors=8,
+                                epochs=3, token_budget=128, log_every=1, workers=0, follow=True))
+    finally:
+        writer.wait(60)
+    assert writer.returncode == 0
+    assert res["finalized"] and res["samples_last_epoch"] == 60  # the last epoch saw the whole store
+    rows = _metrics(tmp_path / "run")
+    assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
