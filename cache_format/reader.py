@@ -21,6 +21,7 @@ from cache_format.codec import bits_to_bf16, dequantize_fp8
 from cache_format.errors import CacheFormatError
 from cache_format.index import load_index
 from cache_format.layout import FROZEN_FILE, STATE_KEY, read_manifest, read_root_attrs, token_arrays
+from cache_format.rawread import RawShardReader
 from cache_format.schema import Manifest
 
 __all__ = ["Sample", "StoreReader"]
@@ -48,6 +49,10 @@ class StoreReader:
         self._arrays = [a.name for a in token_arrays(self.manifest)]
         self._handles: dict[str, dict[str, zarr.Array]] = {}
         self._pid = os.getpid()
+        self._tokens = token_arrays(self.manifest)
+        m = self.manifest
+        # Uncompressed stores are read with direct preads; compressed ones through zarr's codecs.
+        self._raw = RawShardReader(self.root, m.rows_per_shard, m.rows_per_chunk) if m.compression == "none" else None
 
     # ---------------------------------------------------------------- state
     @property
@@ -61,6 +66,8 @@ class StoreReader:
         added = self._follower.poll()
         self.index = self._follower.index
         self._handles.clear()  # array shapes grew; reopen lazily
+        if self._raw is not None:
+            self._raw.forget()  # tail shards may have been rewritten
         return added
 
     def __len__(self) -> int:
@@ -103,6 +110,8 @@ class StoreReader:
     def get_batch(self, sample_ids: list[int] | np.ndarray) -> list[Sample]:
         """Read several samples; every array read of the batch is issued concurrently."""
         rows = [self.index.locate(int(s)) for s in sample_ids]
+        if self._raw is not None:
+            return [self._read_raw(r) for r in rows]
         jobs = []
         for r in rows:
             key = self.index.groups[self.index.group[r]]
@@ -119,6 +128,16 @@ class StoreReader:
             got = dict(zip(self._arrays, flat[i * k:(i + 1) * k]))
             out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r])))
         return out
+
+    def _read_raw(self, r: int) -> Sample:
+        key = self.index.groups[self.index.group[r]]
+        start, n = int(self.index.start[r]), int(self.index.length[r])
+        got = {}
+        for a in self._tokens:
+            out = np.empty((n, a.width) if a.width else (n,), dtype=a.dtype)
+            self._raw.read(key, a, start, start + n, out)
+            got[a.name] = out
+        return self._decode(int(self.index.sample_ids[r]), got, int(self.index.bucket()[r]))
 
     def _decode(self, sample_id: int, got: dict[str, np.ndarray], bucket: int) -> Sample:
         if self.manifest.dtype == "bfloat16":
