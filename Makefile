@@ -8,7 +8,7 @@ TARGET  ?=
 GPUS    ?=
 EXTRACT_ARGS ?=
 # CPU-sized defaults for the demo; on GPUs pass e.g. TRAIN_ARGS="--num-layers 5 --epochs 6".
-TRAIN_ARGS   ?= --num-anchors 32 --epochs 2 --token-budget 4096 --log-every 2 --workers 0
+TRAIN_ARGS   ?= --num-anchors 16 --epochs 2 --token-budget 4096 --log-every 2 --workers 0
 EVAL_ARGS    ?= --limit 4 --max-new-tokens 48
 NPROC   ?= 1
 # GPUS=0 or GPUS=0,1 pins a stage to those GPUs (one process per GPU under torchrun).

@@ -17,7 +17,6 @@ import json
 import shutil
 import time
 
-import numpy as np
 import torch
 
 from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store, write_frozen
@@ -77,7 +76,7 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    m = make_store(a.store, a.shape, a.samples, a.seq)
+    make_store(a.store, a.shape, a.samples, a.seq)
     h, inter, nh, nkv, hd, v = SHAPES[a.shape]
     dc = DrafterConfig(hidden_size=h, intermediate_size=inter, num_layers=a.layers, num_heads=nh, num_kv_heads=nkv,
                        head_dim=hd, vocab_size=v, num_taps=5, block_size=16, mask_token_id=v - 1, rope_theta=1e6)

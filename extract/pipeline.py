@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache_format import ShardWriter
+from cache_format.target import capture, decoder_parts
 from extract.data import Rendered
-from extract.target import capture, decoder_parts
 
 __all__ = ["run_batches"]
 

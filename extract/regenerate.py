@@ -24,9 +24,9 @@ __all__ = ["regenerate"]
 def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: int = 0, num_samples: int = 1,
                temperature: float = 0.0, max_new_tokens: int = 256, batch_size: int = 16, seed: int = 0) -> int:
     """Append generated conversations to `out`; returns how many were written now."""
-    from extract.data import read_conversations
-    from extract.defaults import train_prompts
-    from extract.target import load_target
+    from cache_format.conversations import read_conversations
+    from cache_format.prompts import train_prompts
+    from cache_format.target import load_target
 
     if prompts == "default":
         convs = train_prompts()

@@ -27,11 +27,11 @@ from cache_format import (
 )
 from cache_format.index import LogFollower
 from cache_format.schema import default_bucket_bounds
+from cache_format.target import frozen_parts, load_target
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
 from extract.pipeline import run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
-from extract.target import frozen_parts, load_target
 
 __all__ = ["World", "run"]
 

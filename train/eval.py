@@ -29,7 +29,7 @@ __all__ = ["evaluate"]
 
 def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
     if spec == "default":
-        from extract.defaults import heldout_prompts
+        from cache_format.prompts import heldout_prompts
 
         prompts = heldout_prompts()
         # interleave GSM8K and HumanEval so a small --limit covers both
@@ -37,10 +37,10 @@ def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
         he = [p for p in prompts if not p[0].startswith("gsm8k")]
         prompts = [x for pair in zip(gsm, he) for x in pair] + gsm[len(he):] + he[len(gsm):]
     else:
-        from extract.data import read_conversations
+        from cache_format.conversations import read_conversations
 
         prompts = [(f"{spec}:{sid + 1}", [m for m in msgs if m["role"] != "assistant"])
-                   for sid, msgs in read_conversations(spec, skip_bad=False)]
+                   for sid, msgs in read_conversations(spec, skip_bad=False, require_assistant=False)]
     return prompts[:limit] if limit else prompts
 
 
@@ -52,7 +52,7 @@ def _count_forwards(model):
 
 def evaluate(*, run: str, checkpoint: str = "", prompts: str = "default", limit: int = 0,
              max_new_tokens: int = 128, target: str = "", dtype: str = "float32") -> dict[str, Any]:
-    from extract.target import load_target
+    from cache_format.target import load_target
 
     ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)
     if ck is None:

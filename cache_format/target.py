@@ -1,5 +1,9 @@
 """Loading the target (HF directory or GGUF, never from a hub) and capturing its tapped layers.
 
+It lives beside the store because both stages need it and never import each other: extract runs
+the target to fill a store, train.eval runs it to verify drafts, and both must agree on identity
+(sha256, tokenizer hash) and on what "layer id i" means.
+
 Only the decoder stack runs: the full-vocabulary logits are never computed. Tapped layers are
 captured with forward hooks on the decoder layers (not `output_hidden_states`, which keeps every
 layer alive at once).
@@ -18,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cache_format import TargetInfo
+from cache_format.schema import TargetInfo
 
 __all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "tokenizer_sha256"]
 

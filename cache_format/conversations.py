@@ -1,0 +1,76 @@
+"""Conversations from JSONL: the record formats both stages accept.
+
+Accepted records, one per line:
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+    {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}   (ShareGPT)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["BadRecord", "read_conversations"]
+
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                   "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant"}
+_ROLES = ("system", "user", "assistant")
+
+
+class BadRecord(ValueError):
+    """A record that cannot be used; the message names file and line."""
+
+
+def _parse(line: str, where: str, require_assistant: bool = True) -> list[dict[str, str]]:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rec, dict):
+        raise BadRecord(f"{where}: record is not a JSON object")
+    if "messages" in rec:
+        msgs = rec["messages"]
+        key_role, key_text, roles = "role", "content", {r: r for r in _ROLES}
+    elif "conversations" in rec:
+        msgs = rec["conversations"]
+        key_role, key_text, roles = "from", "value", _SHAREGPT_ROLES
+    else:
+        raise BadRecord(f"{where}: record has neither 'messages' nor 'conversations'")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRecord(f"{where}: empty conversation")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or key_role not in m or key_text not in m:
+            raise BadRecord(f"{where}: message {i} needs '{key_role}' and '{key_text}'")
+        role = roles.get(str(m[key_role]).lower())
+        if role is None:
+            raise BadRecord(f"{where}: message {i} has unknown role {m[key_role]!r}")
+        if not isinstance(m[key_text], str):
+            raise BadRecord(f"{where}: message {i} content is not a string")
+        out.append({"role": role, "content": m[key_text]})
+    if require_assistant and not any(m["role"] == "assistant" for m in out):
+        raise BadRecord(f"{where}: no assistant turn")
+    return out
+
+
+def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0, bad: list[str] | None = None,
+                       require_assistant: bool = True) -> Iterator[tuple[int, list[dict[str, str]]]]:
+    """(sample id = 0-based line number, messages) for every usable line.
+
+    A bad line raises `BadRecord` naming file and line, unless `skip_bad` (then its message is
+    appended to `bad`). Blank lines are skipped silently.
+    """
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f):
+            if limit and lineno >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                yield lineno, _parse(line, f"{path}:{lineno + 1}", require_assistant)
+            except BadRecord as e:
+                if not skip_bad:
+                    raise
+                if bad is not None:
+                    bad.append(str(e))
