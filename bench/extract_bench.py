@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--last-hidden", action="store_true")
     ap.add_argument("--queue-batches", type=int, default=4)
     ap.add_argument("--writer-threads", type=int, default=1)
+    ap.add_argument("--writer", choices=["thread", "process"], default="thread")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(a.shape, dev)
@@ -78,7 +79,13 @@ def main() -> None:
                  dataset=DatasetInfo(path="-", sha256="-", num_records=len(batches) * a.batch), max_len=a.seq,
                  bucket_bounds=(a.seq,), rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
     create_store(a.store, m)
-    ws = [ShardWriter(a.store, writer_id=t) for t in range(a.writer_threads)]
+    if a.writer == "process":
+        from extract.writer_process import ProcessWriter
+
+        ws = [ProcessWriter(a.store, 0, width=h * 5, last_width=h if a.last_hidden else 0, max_tokens=a.batch * a.seq,
+                            slots=a.queue_batches, pin=dev.type == "cuda")]
+    else:
+        ws = [ShardWriter(a.store, writer_id=t) for t in range(a.writer_threads)]
     t0 = time.perf_counter()
     run_batches(model, layer_ids, batches[a.warmup:], ws, last_hidden=a.last_hidden, queue_batches=a.queue_batches)
     sync()
@@ -86,7 +93,7 @@ def main() -> None:
     finalize_store(a.store, m)
     bytes_tok = m.bytes_per_token()
     print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                      "batch": a.batch, "seq": a.seq, "writer_threads": a.writer_threads, "batches": a.batches, "layer_ids": layer_ids,
+                      "batch": a.batch, "seq": a.seq, "writer_threads": a.writer_threads, "writer": a.writer, "batches": a.batches, "layer_ids": layer_ids,
                       "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
                       "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}))
 

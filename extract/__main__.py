@@ -44,6 +44,9 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
               help="Forward batches queued for the writer. Host RAM for the queue is at most "
                    "queue_batches x token_budget x bytes/token (4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B, "
                    "5 taps), plus one shard buffer per length bucket.")
+@click.option("--writer", type=click.Choice(["thread", "process"]), default="thread", show_default=True,
+              help="Write the store from a thread of the GPU process, or from a writer process fed "
+                   "through a shared pinned ring of --queue-batches batches.")
 @click.option("--writer-threads", default=1, show_default=True,
               help="Store writer threads per rank (each writes whole shards of its own).")
 @click.option("--skip-bad", is_flag=True, help="Count and skip malformed lines instead of stopping.")

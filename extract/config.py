@@ -39,6 +39,9 @@ class ExtractConfig:
     """Tokens per shard; 0 = about 64 MiB of hidden states per shard."""
     queue_batches: int = 4
     """Forward batches waiting for the writer; bounds host RAM (see --help)."""
+    writer: str = "thread"
+    """Where the store is written: "thread" (in the GPU process) or "process" (a writer process fed
+    through a shared, pinned ring of queue_batches batches)."""
     writer_threads: int = 1
     """Store writer threads per rank, each committing its own shards (writer id rank*threads+t)."""
     skip_bad: bool = False
@@ -67,6 +70,8 @@ class ExtractConfig:
             raise ValueError(f"compression must be none or blosc-zstd1, got {self.compression!r}")
         if self.token_budget < self.max_len:
             raise ValueError(f"token_budget ({self.token_budget}) must be >= max_len ({self.max_len})")
+        if self.writer not in ("thread", "process"):
+            raise ValueError(f"writer must be thread or process, got {self.writer!r}")
         if self.writer_threads < 1:
             raise ValueError(f"writer_threads must be >= 1, got {self.writer_threads}")
         if self.rows_per_shard < 0 or self.queue_batches < 1 or self.limit < 0:

@@ -17,6 +17,7 @@ import torch
 from cache_format import ShardWriter
 from cache_format.target import capture, decoder_parts
 from extract.data import Rendered
+from extract.writer_process import ProcessWriter, _Item
 
 __all__ = ["run_batches"]
 
@@ -34,7 +35,7 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 
 
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
-                writers: Sequence[ShardWriter], *, last_hidden: bool, queue_batches: int,
+                writers: Sequence[ShardWriter | ProcessWriter], *, last_hidden: bool, queue_batches: int,
                 on_batch: Callable[[int], None] = lambda n: None) -> Counter:
     """Extract every batch; returns counts of refused samples.
 
@@ -48,12 +49,19 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
     failure: list[BaseException] = []
     refused: Counter = Counter()
 
-    def write_loop(q: queue.Queue, writer: ShardWriter) -> None:
+    def write_loop(q: queue.Queue, writer: ShardWriter | ProcessWriter) -> None:
+        item = ...
         try:
             while (item := q.get()) is not None:
                 event, batch, hid, last, ok = item
                 if event is not None:
                     event.synchronize()
+                if isinstance(writer, ProcessWriter):  # hid/last already sit in the writer's ring slot
+                    writer.submit(_Item(slot=hid, sample_ids=[r.sample_id for r in batch],
+                                        lengths=[len(r.input_ids) for r in batch],
+                                        input_ids=[r.input_ids for r in batch], loss_masks=[r.loss_mask for r in batch],
+                                        ok=ok.tolist(), seq=last))
+                    continue
                 for j, r in enumerate(batch):
                     if not ok[j]:
                         refused["NaN/Inf in hidden state"] += 1
@@ -62,9 +70,11 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     writer.add(r.sample_id, input_ids=r.input_ids, loss_mask=r.loss_mask, hidden=hid[j, :n],
                                last_hidden=last[j, :n] if last is not None else None)
             writer.close()
+            if isinstance(writer, ProcessWriter):
+                refused["NaN/Inf in hidden state"] += writer.refused
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(e)
-            while q.get() is not None:  # drain so the producer never blocks forever
+            while item is not None and (item := q.get()) is not None:  # drain: the producer must never block
                 pass
 
     threads = [threading.Thread(target=write_loop, args=(q, w), name=f"store-writer-{w.writer_id}", daemon=True)
@@ -86,6 +96,19 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                 ok = ~(bad & att.bool()).any(-1)  # [B]
                 if not writers:
                     refused["NaN/Inf in hidden state"] += int((~ok).sum())  # syncs, like the copy would
+                elif isinstance(writers[i % len(writers)], ProcessWriter):
+                    pw = writers[i % len(writers)]
+                    slot = pw.slot()
+                    b, t, width = hid.shape
+                    pw.ring_hid[slot][: b * t * width].view(b, t, width).copy_(hid, non_blocking=True)
+                    if last is not None:
+                        pw.ring_last[slot][: b * t * last.shape[-1]].view(b, t, -1).copy_(last, non_blocking=True)
+                    ok = ok.to("cpu", non_blocking=True)
+                    event = None
+                    if device.type == "cuda":
+                        event = torch.cuda.Event()
+                        event.record()
+                    queues[i % len(queues)].put((event, batch, slot, t, ok))  # (slot, seq) in place of tensors
                 else:
                     event = None
                     if device.type == "cuda":

@@ -32,6 +32,7 @@ from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
 from extract.pipeline import run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
+from extract.writer_process import ProcessWriter
 
 __all__ = ["World", "run"]
 
@@ -125,7 +126,12 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
     _barrier(world)
-    writers = [ShardWriter(cfg.store, writer_id=world.rank * cfg.writer_threads + t) for t in range(cfg.writer_threads)]
+    if cfg.writer == "process":
+        writers = [ProcessWriter(cfg.store, world.rank, width=h * len(layer_ids), last_width=h if cfg.last_hidden else 0,
+                                 max_tokens=cfg.token_budget, slots=cfg.queue_batches, pin=device.type == "cuda")]
+    else:
+        writers = [ShardWriter(cfg.store, writer_id=world.rank * cfg.writer_threads + t)
+                   for t in range(cfg.writer_threads)]
     follower = LogFollower(Path(cfg.store))
     follower.poll()  # committed by any writer id: a resume with another world size skips them too
     committed = set(follower.index.sample_ids.tolist())

@@ -224,3 +224,11 @@ def test_packaged_smollm2_handful(tmp_path):
     r = StoreReader(store)
     assert len(r) == 4 and r.manifest.target.hidden_size == 576 and verify_store(store)["ok"]
     assert r.frozen()["embed_tokens.weight"].shape == (49152, 576)
+
+
+def test_writer_process_equals_writer_thread(tmp_path, llama, chats):
+    run(_cfg(tmp_path / "thread.zarr", llama, chats))
+    s = run(_cfg(tmp_path / "proc.zarr", llama, chats, writer="process", queue_batches=2))
+    assert s["samples_in_store"] == 40
+    assert_same_content(content(tmp_path / "thread.zarr"), content(tmp_path / "proc.zarr"))
+    assert verify_store(tmp_path / "proc.zarr")["ok"]
