@@ -93,7 +93,8 @@ def main() -> None:
     finalize_store(a.store, m)
     bytes_tok = m.bytes_per_token()
     print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                      "batch": a.batch, "seq": a.seq, "writer_threads": a.writer_threads, "writer": a.writer, "batches": a.batches, "layer_ids": layer_ids,
+                      "batch": a.batch, "seq": a.seq, "writer_threads": a.writer_threads, "writer": a.writer,
+                      "batches": a.batches, "layer_ids": layer_ids,
                       "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
                       "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}))
 

@@ -40,6 +40,20 @@ def lengths(n_tokens: int, seed: int) -> list[int]:
     return out
 
 
+def run_procs(target, arglists: list[tuple]) -> tuple[list[tuple[int, float]], float]:
+    """Run target(*args, queue) in one spawned process per arglist; (their (bytes, seconds)), wall."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    t0 = time.perf_counter()
+    procs = [ctx.Process(target=target, args=(*args, q)) for args in arglists]
+    for p in procs:
+        p.start()
+    res = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return res, time.perf_counter() - t0
+
+
 def write_part(path: str, m: dict, writer: int, ids: list[int], lens: list[int], q) -> None:
     man = Manifest.from_dict(m)
     g = torch.Generator().manual_seed(writer)
@@ -61,17 +75,8 @@ def bench_write(root: Path, width: int, n_tokens: int, writers: int, rows: int, 
     m = manifest(width, 5, rows, compression)
     create_store(path, m)
     lens = lengths(n_tokens, 0)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    t0 = time.perf_counter()
-    procs = [ctx.Process(target=write_part, args=(str(path), m.to_dict(), w, list(range(w, len(lens), writers)),
-                                                  lens[w::writers], q)) for w in range(writers)]
-    for p in procs:
-        p.start()
-    res = [q.get() for _ in procs]
-    for p in procs:
-        p.join()
-    wall = time.perf_counter() - t0
+    res, wall = run_procs(write_part, [(str(path), m.to_dict(), w, list(range(w, len(lens), writers)), lens[w::writers])
+                                       for w in range(writers)])
     finalize_store(path, m)
     total = sum(b for b, _ in res)
     return {"writers": writers, "compression": compression, "bytes": total,
@@ -90,16 +95,7 @@ def read_part(path: str, seed: int, batches: int, batch: int, q) -> None:
 
 
 def bench_read(path: str, readers: int, batches: int, batch: int) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=read_part, args=(path, i, batches, batch, q)) for i in range(readers)]
-    t0 = time.perf_counter()
-    for p in procs:
-        p.start()
-    res = [q.get() for _ in procs]
-    for p in procs:
-        p.join()
-    wall = time.perf_counter() - t0
+    res, wall = run_procs(read_part, [(path, i, batches, batch) for i in range(readers)])
     return {"readers": readers, "batch": batch, "per_reader_gbps": [b / s / 1e9 for b, s in res],
             "aggregate_gbps": sum(b for b, _ in res) / wall / 1e9}
 

@@ -26,6 +26,7 @@ __all__ = [
     "bucket_of",
     "default_bucket_bounds",
     "manifest_differences",
+    "parse_layer_ids",
 ]
 
 FORMAT_VERSION = 1
@@ -178,6 +179,14 @@ class Manifest:
             return cls(**d)
         except TypeError as e:  # an unknown or missing key
             raise CacheFormatError(f"manifest does not match format version {version}: {e}") from None
+
+
+def parse_layer_ids(text: str) -> tuple[int, ...]:
+    """'1, 9,17' -> (1, 9, 17); ValueError naming the text otherwise (both CLIs use this)."""
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise ValueError(f"expected comma-separated layer ids, got {text!r}") from None
 
 
 def default_bucket_bounds(max_len: int) -> tuple[int, ...]:

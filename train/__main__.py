@@ -15,10 +15,12 @@ from train.config import TrainConfig
 
 
 def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
+    from cache_format.schema import parse_layer_ids
+
     try:
-        return tuple(int(x) for x in value.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+        return parse_layer_ids(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @click.command(context_settings={"max_content_width": 100})
