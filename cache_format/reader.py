@@ -46,10 +46,10 @@ class StoreReader:
         self.root = Path(path)
         self.manifest: Manifest = read_manifest(self.root)
         self.index, self._follower = load_index(self.root)
-        self._arrays = [a.name for a in token_arrays(self.manifest)]
+        self._tokens = token_arrays(self.manifest)
+        self._arrays = [a.name for a in self._tokens]
         self._handles: dict[str, dict[str, zarr.Array]] = {}
         self._pid = os.getpid()
-        self._tokens = token_arrays(self.manifest)
         m = self.manifest
         # Uncompressed stores are read with direct preads; compressed ones through zarr's codecs.
         self._raw = RawShardReader(self.root, m.rows_per_shard, m.rows_per_chunk) if m.compression == "none" else None

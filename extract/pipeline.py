@@ -56,11 +56,9 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                 event, batch, hid, last, ok = item
                 if event is not None:
                     event.synchronize()
-                if isinstance(writer, ProcessWriter):  # hid/last already sit in the writer's ring slot
-                    writer.submit(_Item(slot=hid, sample_ids=[r.sample_id for r in batch],
-                                        lengths=[len(r.input_ids) for r in batch],
-                                        input_ids=[r.input_ids for r in batch], loss_masks=[r.loss_mask for r in batch],
-                                        ok=ok.tolist(), seq=last))
+                if isinstance(batch, _Item):  # its states already sit in the writer's ring slot
+                    batch.ok = ok.tolist()
+                    writer.submit(batch)
                     continue
                 for j, r in enumerate(batch):
                     if not ok[j]:
@@ -108,7 +106,10 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     if device.type == "cuda":
                         event = torch.cuda.Event()
                         event.record()
-                    queues[i % len(queues)].put((event, batch, slot, t, ok))  # (slot, seq) in place of tensors
+                    item = _Item(slot=slot, sample_ids=[r.sample_id for r in batch], lengths=[len(r.input_ids) for r in batch],
+                                 input_ids=[r.input_ids for r in batch], loss_masks=[r.loss_mask for r in batch],
+                                 ok=[], seq=t)
+                    queues[i % len(queues)].put((event, item, None, None, ok))
                 else:
                     event = None
                     if device.type == "cuda":

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -187,7 +188,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 batch = {k: v.to(device, non_blocking=True) for k, v in next(it).items()}
                 wait += time.time() - t_wait
                 sync = (a == cfg.grad_accum - 1) or world == 1
-                with ddp.no_sync() if not sync else _null():
+                with ddp.no_sync() if not sync else contextlib.nullcontext():
                     out = forward_backward(ddp, batch, block_size=cfg.block_size, gamma=gamma,
                                            kl_weight=cfg.effective_kl_weight, use_flex=use_flex,
                                            grad_scale=1.0 / cfg.grad_accum)
@@ -231,11 +232,3 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
         plot_metrics(cfg.out)
     return {"steps": step, "run": cfg.out, "samples_last_epoch": len(reader), "finalized": reader.finalized}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
