@@ -43,14 +43,14 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--token-budget", default=16384, show_default=True, help="Padded tokens per forward batch.")
 @click.option("--rows-per-shard", default=0, help="Tokens per shard [default: ~64 MiB of hidden states].")
 @click.option("--queue-batches", default=4, show_default=True,
-              help="Forward batches queued for the writer. Host RAM for the queue is at most "
-                   "queue_batches x token_budget x bytes/token (4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B, "
+              help="Slots of the host ring that forward batches wait in for the writers. Host RAM for "
+                   "the ring is queue_batches x token_budget x bytes/token (4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B, "
                    "5 taps), plus one shard buffer per length bucket.")
 @click.option("--writer", type=click.Choice(["thread", "process"]), default="thread", show_default=True,
-              help="Write the store from a thread of the GPU process, or from a writer process fed "
-                   "through a shared pinned ring of --queue-batches batches.")
-@click.option("--writer-threads", default=1, show_default=True,
-              help="Store writer threads per rank (each writes whole shards of its own).")
+              help="Write the store from threads of the GPU process, or from writer processes that "
+                   "read the ring from shared memory.")
+@click.option("--writers", default=2, show_default=True,
+              help="Store writers per rank; they share every batch and each writes whole shards of its own.")
 @click.option("--skip-bad", is_flag=True, help="Count and skip malformed lines instead of stopping.")
 @click.option("--overwrite", is_flag=True, help="Delete an existing store with other settings and start over.")
 @click.option("--limit", default=0, help="Use only the first N records (0 = all).")

@@ -38,12 +38,13 @@ class ExtractConfig:
     rows_per_shard: int = 0
     """Tokens per shard; 0 = about 64 MiB of hidden states per shard."""
     queue_batches: int = 4
-    """Forward batches waiting for the writer; bounds host RAM (see --help)."""
+    """Slots of the host ring that forward batches wait in for the writers; bounds host RAM (see --help)."""
     writer: str = "thread"
-    """Where the store is written: "thread" (in the GPU process) or "process" (a writer process fed
-    through a shared, pinned ring of queue_batches batches)."""
-    writer_threads: int = 1
-    """Store writer threads per rank, each committing its own shards (writer id rank*threads+t)."""
+    """Where the store is written: "thread" (threads of the GPU process) or "process" (writer
+    processes reading the ring from shared memory)."""
+    writers: int = 2
+    """Store writers per rank, sharing every batch, each committing its own shards (writer id
+    rank*writers+w)."""
     skip_bad: bool = False
     """Count and skip malformed JSON lines instead of stopping at the first."""
     overwrite: bool = False
@@ -72,8 +73,8 @@ class ExtractConfig:
             raise ValueError(f"token_budget ({self.token_budget}) must be >= max_len ({self.max_len})")
         if self.writer not in ("thread", "process"):
             raise ValueError(f"writer must be thread or process, got {self.writer!r}")
-        if self.writer_threads < 1:
-            raise ValueError(f"writer_threads must be >= 1, got {self.writer_threads}")
+        if self.writers < 1:
+            raise ValueError(f"writers must be >= 1, got {self.writers}")
         if self.rows_per_shard < 0 or self.queue_batches < 1 or self.limit < 0:
             raise ValueError("rows_per_shard and limit must be >= 0, queue_batches >= 1")
 

@@ -1,8 +1,12 @@
 """The forward -> host -> store pipeline of one rank, shared by `extract.run` and the benchmark.
 
-The GPU thread (the caller) runs the decoder stack with hooks, starts non-blocking device-to-host
-copies and queues the batch; a writer thread waits on the copy's event and feeds the ShardWriter.
-The queue is bounded, so host RAM is bounded and a slow disk slows the GPU rather than OOMing.
+The GPU thread (the caller) runs the decoder stack with hooks and copies each batch's states into
+a free slot of a host ring (extract/ring.py) on a side stream, so the copy overlaps the next
+forward. Each batch's samples are dealt over the rank's writers (sample j of batch i to writer
+(i + j) % W), so the writers share every batch and the tail after the last forward is short. Each
+writer is a thread that either feeds a ShardWriter itself or drives a writer process; the last one
+done with a slot gives it back. The ring is bounded, so host RAM is bounded and a slow disk slows
+the GPU rather than exhausting memory.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import torch
 from cache_format import ShardWriter
 from cache_format.target import capture, decoder_parts
 from extract.data import Rendered
-from extract.writer_process import ProcessWriter, _Item
+from extract.ring import HostRing
+from extract.writer_process import ProcessWriter, WriteItem, write_rows
 
 __all__ = ["run_batches"]
+
+NONFINITE = "NaN/Inf in hidden state"
 
 
 def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,50 +42,49 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 
 
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
-                writers: Sequence[ShardWriter | ProcessWriter], *, last_hidden: bool, queue_batches: int,
+                writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *, last_hidden: bool,
                 on_batch: Callable[[int], None] = lambda n: None) -> Counter:
-    """Extract every batch; returns counts of refused samples.
+    """Extract every batch; returns counts of refused samples. Closes the writers.
 
-    Batch i goes to writer thread i % len(writers), each with its own ShardWriter (writer id), so
-    disk writes proceed in parallel (file writes and copies release the GIL). No writers runs
-    the bare forward (same hooks, concatenation and finiteness check, no host copy, no store).
+    No writers (and no ring) runs the bare forward: same hooks, concatenation and finiteness
+    check, no host copy, no store.
     """
     device = next(model.parameters()).device
     base, _, _ = decoder_parts(model)
-    queues = [queue.Queue(maxsize=max(1, queue_batches // max(1, len(writers)))) for _ in writers]
+    inboxes: list[queue.Queue] = [queue.Queue() for _ in writers]  # bounded by the ring's slots
     failure: list[BaseException] = []
     refused: Counter = Counter()
+    count_lock = threading.Lock()
 
-    def write_loop(q: queue.Queue, writer: ShardWriter | ProcessWriter) -> None:
+    def write_loop(inbox: queue.Queue, writer: ShardWriter | ProcessWriter) -> None:
         item = ...
         try:
-            while (item := q.get()) is not None:
-                event, batch, hid, last, ok = item
+            while (item := inbox.get()) is not None:
+                event, slot, b, t, rows, batch, ok = item
                 if event is not None:
-                    event.synchronize()
-                if isinstance(batch, _Item):  # its states already sit in the writer's ring slot
-                    batch.ok = ok.tolist()
-                    writer.submit(batch)
-                    continue
-                for j, r in enumerate(batch):
-                    if not ok[j]:
-                        refused["NaN/Inf in hidden state"] += 1
-                        continue
-                    n = len(r.input_ids)
-                    writer.add(r.sample_id, input_ids=r.input_ids, loss_mask=r.loss_mask, hidden=hid[j, :n],
-                               last_hidden=last[j, :n] if last is not None else None)
+                    event.synchronize()  # the states and `ok` have landed in host memory
+                w = WriteItem(slot=slot, batch=b, seq=t, rows=rows, sample_ids=[batch[j].sample_id for j in rows],
+                              input_ids=[batch[j].input_ids for j in rows], loss_masks=[batch[j].loss_mask for j in rows],
+                              ok=[bool(ok[j]) for j in rows])
+                if isinstance(writer, ProcessWriter):
+                    n = writer.write(w)
+                else:
+                    hid, last = ring.views(w.slot, w.batch, w.seq)
+                    n = write_rows(writer, hid, last, w)
+                with count_lock:
+                    refused[NONFINITE] += n
+                ring.release(w.slot)
             writer.close()
-            if isinstance(writer, ProcessWriter):
-                refused["NaN/Inf in hidden state"] += writer.refused
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             failure.append(e)
-            while item is not None and (item := q.get()) is not None:  # drain: the producer must never block
-                pass
+            while item is not None and (item := inbox.get()) is not None:  # drain: give every slot back
+                ring.release(item[1])
 
     threads = [threading.Thread(target=write_loop, args=(q, w), name=f"store-writer-{w.writer_id}", daemon=True)
-               for q, w in zip(queues, writers)]
+               for q, w in zip(inboxes, writers)]
     for t in threads:
         t.start()
+    copy_stream = torch.cuda.Stream() if device.type == "cuda" and writers else None
     try:
         with capture(model, layer_ids) as taps, torch.inference_mode():
             for i, batch in enumerate(batches):
@@ -93,34 +99,41 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     bad |= ~torch.isfinite(last).all(-1)
                 ok = ~(bad & att.bool()).any(-1)  # [B]
                 if not writers:
-                    refused["NaN/Inf in hidden state"] += int((~ok).sum())  # syncs, like the copy would
-                elif isinstance(writers[i % len(writers)], ProcessWriter):
-                    pw = writers[i % len(writers)]
-                    slot = pw.slot()
-                    b, t, width = hid.shape
-                    pw.ring_hid[slot][: b * t * width].view(b, t, width).copy_(hid, non_blocking=True)
-                    if last is not None:
-                        pw.ring_last[slot][: b * t * last.shape[-1]].view(b, t, -1).copy_(last, non_blocking=True)
-                    ok = ok.to("cpu", non_blocking=True)
-                    event = None
-                    if device.type == "cuda":
+                    refused[NONFINITE] += int((~ok).sum())  # syncs, like the copy would
+                    on_batch(sum(len(r.input_ids) for r in batch))
+                    continue
+                slot = ring.take(failed=lambda: bool(failure))
+                if slot is None:
+                    break
+                b, t, _ = hid.shape
+                host_hid, host_last = ring.views(slot, b, t)
+                event = None
+                if copy_stream is not None:  # copy on a side stream: the next forward overlaps it
+                    copy_stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(copy_stream):
+                        host_hid.copy_(hid, non_blocking=True)
+                        if last is not None:
+                            host_last.copy_(last, non_blocking=True)
+                        ok = ok.to("cpu", non_blocking=True)
                         event = torch.cuda.Event()
                         event.record()
-                    item = _Item(slot=slot, sample_ids=[r.sample_id for r in batch], lengths=[len(r.input_ids) for r in batch],
-                                 input_ids=[r.input_ids for r in batch], loss_masks=[r.loss_mask for r in batch],
-                                 ok=[], seq=t)
-                    queues[i % len(queues)].put((event, item, None, None, ok))
+                    for x in (hid, last):  # keep their memory from reuse until the copy is done
+                        if x is not None:
+                            x.record_stream(copy_stream)
                 else:
-                    event = None
-                    if device.type == "cuda":
-                        hid, ok = hid.to("cpu", non_blocking=True), ok.to("cpu", non_blocking=True)
-                        last = last.to("cpu", non_blocking=True) if last is not None else None
-                        event = torch.cuda.Event()
-                        event.record()
-                    queues[i % len(queues)].put((event, batch, hid, last, ok))
+                    host_hid.copy_(hid)
+                    if last is not None:
+                        host_last.copy_(last)
+                parts = [[] for _ in writers]
+                for j in range(b):
+                    parts[(i + j) % len(writers)].append(j)
+                parts = [(k, rows) for k, rows in enumerate(parts) if rows]
+                ring.hold(slot, len(parts))
+                for k, rows in parts:
+                    inboxes[k].put((event, slot, b, t, rows, batch, ok))
                 on_batch(sum(len(r.input_ids) for r in batch))
     finally:
-        for q in queues:
+        for q in inboxes:
             q.put(None)
         for t in threads:
             t.join()

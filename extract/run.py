@@ -1,7 +1,7 @@
 """Stage one, per rank: render data, run the target's decoder stack, write taps into the store.
 
 One process per GPU under torchrun (or one plain process). Rank 0 creates (or checks) the store;
-every rank writes its own shards through a writer thread behind a bounded queue, so the forward
+every rank writes its own shards through writers behind a bounded host ring, so the forward
 loop never waits on the disk; rank 0 finalizes once every rank has closed its writer.
 """
 
@@ -32,6 +32,7 @@ from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
 from extract.pipeline import run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
+from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
 
 __all__ = ["World", "run"]
@@ -126,12 +127,11 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
     _barrier(world)
-    if cfg.writer == "process":
-        writers = [ProcessWriter(cfg.store, world.rank, width=h * len(layer_ids), last_width=h if cfg.last_hidden else 0,
-                                 max_tokens=cfg.token_budget, slots=cfg.queue_batches, pin=device.type == "cuda")]
-    else:
-        writers = [ShardWriter(cfg.store, writer_id=world.rank * cfg.writer_threads + t)
-                   for t in range(cfg.writer_threads)]
+    ring = HostRing(cfg.queue_batches, cfg.token_budget, h * len(layer_ids), h if cfg.last_hidden else 0,
+                    pin=device.type == "cuda", shared=cfg.writer == "process")
+    ids = [world.rank * cfg.writers + w for w in range(cfg.writers)]
+    writers = ([ProcessWriter(cfg.store, i, ring) for i in ids] if cfg.writer == "process"
+               else [ShardWriter(cfg.store, writer_id=i) for i in ids])
     follower = LogFollower(Path(cfg.store))
     follower.poll()  # committed by any writer id: a resume with another world size skips them too
     committed = set(follower.index.sample_ids.tolist())
@@ -140,16 +140,17 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
     batches = token_budget_batches(mine, [len(by_id[s].input_ids) for s in mine], cfg.token_budget)
 
     # ------------------------------------------------------------------ forward -> store
-    # Host RAM for queued batches is at most queue_batches x token_budget x bytes_per_token
-    # (e.g. 4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard per bucket.
+    # Host RAM for the ring is queue_batches x token_budget x bytes_per_token (e.g. 4 x 16384 x
+    # 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard buffer per bucket and writer.
     bar = tqdm(total=sum(len(by_id[s].input_ids) for s in mine), unit="tok", disable=world.rank != 0,
                desc=f"extract x{world.world_size}")
     t_loop = time.time()
     try:
-        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writers,
-                                last_hidden=cfg.last_hidden, queue_batches=cfg.queue_batches, on_batch=bar.update)
+        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writers, ring,
+                                last_hidden=cfg.last_hidden, on_batch=bar.update)
     finally:
         bar.close()
+        ring.close()
     tokens = sum(len(by_id[s].input_ids) for s in mine)
     elapsed = time.time() - t_loop
 

@@ -1,11 +1,11 @@
-"""A store writer in its own process, fed through shared (and, on GPU, pinned) host buffers.
+"""A store writer in its own process, reading batches in place from a shared host ring.
 
-One writer thread in the GPU process reached 1.07 GB/s (85% of the bare forward for a
-Qwen3-8B-shaped target; docs/BENCHMARKS.md): its copies, checksums and file writes compete with the
-forward loop for the GIL. Here the device-to-host copy lands directly in a slot of a shared-memory
-ring that the writer process reads in place, so the GPU process only launches copies and passes
-small messages. The ring has `slots` batches: host RAM stays bounded and a slow disk slows the
-producer instead of growing memory.
+A writer thread in the GPU process competes with the forward loop for the GIL (its row copies,
+checksums and bookkeeping run in Python). Here the device-to-host copy lands in a slot of a
+shared-memory ring (extract/ring.py) that the writer process reads in place, so the GPU process
+only launches copies and passes small messages. `run_batches` drives each ProcessWriter from one
+thread of its own: `write` sends one item and waits for the child to finish it, so the ring slot
+can be given back.
 """
 
 from __future__ import annotations
@@ -16,40 +16,47 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp  # registers tensor reductions: shared storage, not pickled bytes
 
-__all__ = ["ProcessWriter"]
+from extract.ring import HostRing
+
+__all__ = ["ProcessWriter", "WriteItem"]
 
 
 @dataclass
-class _Item:
+class WriteItem:
+    """Samples `rows` of the batch held in ring slot `slot` (padded to `seq` tokens)."""
+
     slot: int
+    batch: int  # samples in the batch (the slot's view shape)
+    seq: int
+    rows: list[int]
     sample_ids: list[int]
-    lengths: list[int]
     input_ids: list[torch.Tensor]
     loss_masks: list[torch.Tensor]
     ok: list[bool]
-    seq: int  # padded length T of this batch
 
 
-def _child(store: str, writer_id: int, width: int, last_width: int, ring_hid, ring_last, inbox, outbox) -> None:
+def write_rows(writer, hid: torch.Tensor, last: torch.Tensor | None, item: WriteItem) -> int:
+    """Add the item's samples to a ShardWriter from views [B, T, width]; returns the refused count."""
+    refused = 0
+    for j, sid, ids, mask, ok in zip(item.rows, item.sample_ids, item.input_ids, item.loss_masks, item.ok):
+        if not ok:
+            refused += 1
+            continue
+        n = len(ids)
+        writer.add(sid, input_ids=ids, loss_mask=mask, hidden=hid[j, :n],
+                   last_hidden=last[j, :n] if last is not None else None)
+    return refused
+
+
+def _child(store: str, writer_id: int, ring: HostRing, inbox, outbox) -> None:
     from cache_format import ShardWriter
 
     try:
         w = ShardWriter(store, writer_id=writer_id)
         outbox.put(("ready", None))
         while (item := inbox.get()) is not None:
-            hid = ring_hid[item.slot][: len(item.sample_ids) * item.seq * width].view(-1, item.seq, width)
-            last = None
-            if ring_last is not None:
-                last = ring_last[item.slot][: len(item.sample_ids) * item.seq * last_width].view(-1, item.seq, last_width)
-            refused = 0
-            for j, sid in enumerate(item.sample_ids):
-                if not item.ok[j]:
-                    refused += 1
-                    continue
-                n = item.lengths[j]
-                w.add(sid, input_ids=item.input_ids[j], loss_mask=item.loss_masks[j], hidden=hid[j, :n],
-                      last_hidden=last[j, :n] if last is not None else None)
-            outbox.put(("free", (item.slot, refused)))
+            hid, last = ring.views(item.slot, item.batch, item.seq)
+            outbox.put(("done", write_rows(w, hid, last, item)))
         w.close()
         outbox.put(("closed", None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
@@ -57,28 +64,15 @@ def _child(store: str, writer_id: int, width: int, last_width: int, ring_hid, ri
 
 
 class ProcessWriter:
-    """Owns a writer process and a ring of host buffers [slots, max_tokens * width] (bf16)."""
+    """Owns one writer process (writer id `writer_id`) reading from the shared `ring`."""
 
-    def __init__(self, store: str, writer_id: int, *, width: int, last_width: int, max_tokens: int, slots: int,
-                 pin: bool) -> None:
+    def __init__(self, store: str, writer_id: int, ring: HostRing) -> None:
         ctx = mp.get_context("spawn")
         self.writer_id = writer_id
-        self.ring_hid = torch.empty(slots, max_tokens * width, dtype=torch.bfloat16).share_memory_()
-        self.ring_last = (torch.empty(slots, max_tokens * last_width, dtype=torch.bfloat16).share_memory_()
-                          if last_width else None)
-        self._pinned = []
-        if pin:  # page-lock the shared ring so device-to-host copies run asynchronously at full speed
-            cudart = torch.cuda.cudart()
-            for t in (self.ring_hid, self.ring_last):
-                if t is not None:
-                    cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-                    self._pinned.append(t)
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_child, args=(store, writer_id, width, last_width, self.ring_hid, self.ring_last,
-                                                      self.inbox, self.outbox), daemon=True)
+        self.proc = ctx.Process(target=_child, args=(store, writer_id, ring, self.inbox, self.outbox),
+                                daemon=True)
         self.proc.start()
-        self.free = list(range(slots))
-        self.refused = 0
         self._expect("ready")
 
     def _expect(self, what: str) -> object:
@@ -93,24 +87,13 @@ class ProcessWriter:
                 continue
             if kind == "error":
                 raise CacheFormatError(str(payload))
-            if kind == "free":
-                slot, refused = payload
-                self.free.append(slot)
-                self.refused += refused
-                if what == "free":
-                    return slot
-                continue
             if kind == what:
                 return payload
 
-    def slot(self) -> int:
-        """A free ring slot, waiting for the writer to release one if all are in use."""
-        if not self.free:
-            self._expect("free")
-        return self.free.pop()
-
-    def submit(self, item: _Item) -> None:
+    def write(self, item: WriteItem) -> int:
+        """Write the item's samples (the child reads the ring slot); returns the refused count."""
         self.inbox.put(item)
+        return int(self._expect("done"))
 
     def close(self) -> None:
         self.inbox.put(None)
@@ -118,7 +101,3 @@ class ProcessWriter:
             self._expect("closed")
         finally:
             self.proc.join(60)
-            if self._pinned:
-                cudart = torch.cuda.cudart()
-                for t in self._pinned:
-                    cudart.cudaHostUnregister(t.data_ptr())
