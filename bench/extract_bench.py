@@ -55,13 +55,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--last-hidden", action="store_true")
     ap.add_argument("--queue-batches", type=int, default=4)
-    ap.add_argument("--writers", type=int, default=2)
-    ap.add_argument("--writer", choices=["thread", "process"], default="thread")
+    ap.add_argument("--variants", default="thread:2",
+                    help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(a.shape, dev)
-    n_layers, h = model.config.num_hidden_layers, model.config.hidden_size
-    layer_ids = dflash_layer_ids(n_layers, 5)
+    layer_ids = dflash_layer_ids(model.config.num_hidden_layers, 5)
     g = torch.Generator().manual_seed(0)
     batches = [[Rendered(b * a.batch + j, torch.randint(0, model.config.vocab_size, (a.seq,), generator=g),
                          torch.ones(a.seq, dtype=torch.uint8), False) for j in range(a.batch)]
@@ -74,6 +73,19 @@ def main() -> None:
     run_batches(model, layer_ids, batches[a.warmup:], [], None, last_hidden=a.last_hidden)
     sync()
     bare = tokens / (time.perf_counter() - t0)
+    for variant in a.variants.split(","):
+        writer, n = variant.split(":")
+        with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens)
+        print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                          "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "slots": a.queue_batches,
+                          "batches": a.batches, "layer_ids": layer_ids,
+                          "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
+                          "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}), flush=True)
+
+
+def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.device, tokens: int) -> tuple[float, int]:
+    """Tokens/s of the same batches with `n` writers of kind `writer` into a fresh store."""
+    h, n_layers = model.config.hidden_size, model.config.num_hidden_layers
     shutil.rmtree(a.store, ignore_errors=True)
     m = Manifest(target=TargetInfo(name=f"random-{a.shape}", sha256="-", num_layers=n_layers, hidden_size=h,
                                    vocab_size=model.config.vocab_size),
@@ -85,21 +97,18 @@ def main() -> None:
     # they are made before the clock starts; everything per batch is timed, including the tail:
     # the clock stops when the last shard is committed.
     ring = HostRing(a.queue_batches, a.batch * a.seq, h * 5, h if a.last_hidden else 0, pin=dev.type == "cuda",
-                    shared=a.writer == "process")
-    ws = ([ProcessWriter(a.store, w, ring) for w in range(a.writers)] if a.writer == "process"
-          else [ShardWriter(a.store, writer_id=w) for w in range(a.writers)])
+                    shared=writer == "process")
+    ws = ([ProcessWriter(a.store, w, ring) for w in range(n)] if writer == "process"
+          else [ShardWriter(a.store, writer_id=w) for w in range(n)])
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    run_batches(model, layer_ids, batches[a.warmup:], ws, ring, last_hidden=a.last_hidden)
+    run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden)
     sync()
-    with_store = tokens / (time.perf_counter() - t0)
+    rate = tokens / (time.perf_counter() - t0)
     ring.close()
     finalize_store(a.store, m)
-    bytes_tok = m.bytes_per_token()
-    print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                      "batch": a.batch, "seq": a.seq, "writers": a.writers, "writer": a.writer,
-                      "batches": a.batches, "layer_ids": layer_ids,
-                      "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
-                      "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}))
+    shutil.rmtree(a.store, ignore_errors=True)
+    return rate, m.bytes_per_token()
 
 
 if __name__ == "__main__":

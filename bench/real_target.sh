@@ -1,25 +1,49 @@
 #!/usr/bin/env bash
-# Issue 6 item 1: the packaged SmolLM2 target end to end on one H200, in two device calls.
-#   stage=data  : regenerate responses (4 per non-held-out prompt, T=0.8, seed 0) and extract
-#   stage=train : train a drafter from the store, evaluate on the held-out prompts
-# Expects the GGUF at /root/m (device.md two-call protocol) and wheels in /root/site.
-set -euo pipefail
+# Issue 6 items 1 and 4: the packaged SmolLM2 target end to end on two H200s (nvidia-h200-x2), one call.
+#   regenerate (one process per GPU) -> extract a bf16 and an fp8 store (2 ranks each) ->
+#   train one drafter per store at once (GPU 0: bf16, GPU 1: fp8) -> evaluate both at once.
+# Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
+# STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint).
+set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /root/w
+OUT=${OUT:-/tmp/out}; W=/root/w; mkdir -p "$OUT" $W
 G=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
-case "${1:-data}" in
-data)
-  python3 -m extract.regenerate --out /root/w/regen.jsonl --target "$G" --num-samples 4 --temperature 0.8 \
-    --max-new-tokens 256 --batch-size 384 --seed 0 2>&1 | grep -v "it/s]" | tail -2
-  wc -l /root/w/regen.jsonl
-  python3 -m extract --store /dev/shm/real.zarr --target "$G" --data /root/w/regen.jsonl --max-len 1024 \
-    --token-budget 65536 --json 2>&1 | grep -v "it/s]" | tee "$OUT/extract_summary.json" | tail -30
-  ;;
-train)
-  python3 -m train --store /dev/shm/real.zarr --out /root/w/run --num-layers 3 --epochs 2 --token-budget 16384 \
-    --workers 6 --log-every 20 2>&1 | grep -v "step/s]" | tail -3
-  cp /root/w/run/metrics.jsonl /root/w/run/loss.png /root/w/run/sim_tau.png "$OUT/"
-  python3 -m train.eval --run /root/w/run --limit 20 --max-new-tokens 96 --json 2>&1 | grep -v "it/s]" | tail -1
-  cp /root/w/run/eval.json /root/w/run/acceptance.png "$OUT/"
-  ;;
-esac
+STEPS=${STEPS:-900}; TLIM=${TLIM:-330}
+t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+regen() {  # args: name, extra regenerate options; one shard per GPU
+  for g in 0 1; do
+    CUDA_VISIBLE_DEVICES=$g python3 -m extract.regenerate --out $W/$1.$g.jsonl --target "$G" --max-new-tokens 256 \
+      --batch-size 512 --seed 0 --shard $g/2 "${@:2}" > $W/$1.$g.log 2>&1 &
+  done
+  wait; tail -n1 $W/$1.*.log
+}
+regen sampled --num-samples 4 --temperature 0.8
+regen greedy --num-samples 1 --temperature 0
+cat $W/sampled.0.jsonl $W/sampled.1.jsonl $W/greedy.0.jsonl $W/greedy.1.jsonl > $W/regen.jsonl
+wc -l $W/regen.jsonl; stamp regenerated
+for d in bfloat16 fp8_e4m3; do
+  torchrun --standalone --nproc-per-node 2 -m extract --store /dev/shm/$d.zarr --target "$G" --data $W/regen.jsonl \
+    --max-len 1024 --token-budget 65536 --dtype $d --json 2>&1 | grep -v "tok/s]" | tee "$OUT/extract_$d.json" | tail -n 32
+  stamp extracted $d
+done
+gzip -c $W/regen.jsonl > "$OUT/regen.jsonl.gz"
+for i in 0 1; do
+  d=$([ $i = 0 ] && echo bfloat16 || echo fp8_e4m3)
+  CUDA_VISIBLE_DEVICES=$i timeout $TLIM python3 -m train --store /dev/shm/$d.zarr --out $W/run_$d --num-layers 3 \
+    --epochs 20 --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
+    --compile > $W/train_$d.log 2>&1 &
+done
+wait; stamp trained
+for d in bfloat16 fp8_e4m3; do
+  mkdir -p "$OUT/$d"; cp $W/run_$d/metrics.jsonl $W/run_$d/*.png "$OUT/$d/" 2>/dev/null
+  grep -v "step/s]" $W/train_$d.log | tail -n 4; tail -n 1 $W/run_$d/metrics.jsonl | cut -c1-400
+done
+for i in 0 1; do
+  d=$([ $i = 0 ] && echo bfloat16 || echo fp8_e4m3)
+  CUDA_VISIBLE_DEVICES=$i python3 -m train.eval --run $W/run_$d --limit 16 --max-new-tokens 96 --json \
+    > $W/eval_$d.log 2>&1 &
+done
+wait; stamp evaluated
+for d in bfloat16 fp8_e4m3; do
+  tail -n 1 $W/eval_$d.log | cut -c1-1500; cp $W/run_$d/eval.json $W/run_$d/acceptance.png "$OUT/$d/" 2>/dev/null
+done

@@ -25,7 +25,7 @@ from train.model import DFlashDrafter, DrafterConfig
 from train.trainer import forward_backward
 
 SHAPES = {"qwen3-8b": (4096, 12288, 32, 8, 128, 151936), "qwen3-32b": (5120, 25600, 64, 8, 128, 151936),
-          "tiny": (128, 256, 4, 2, 32, 1000)}
+          "smollm2-135m": (576, 1536, 9, 3, 64, 49152), "tiny": (128, 256, 4, 2, 32, 1000)}
 
 
 def make_store(path: str, shape: str, samples: int, seq: int) -> Manifest:
@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each drafter layer (as --compile in train)")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     make_store(a.store, a.shape, a.samples, a.seq)
@@ -85,6 +87,8 @@ def main() -> None:
     r = StoreReader(a.store)
     fr = r.frozen()
     model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"]).to(dev)
+    if a.compile:
+        model.compile_layers()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     steps = plan_epoch(r.sample_ids, r.lengths(), r.buckets(), token_budget=a.token_budget, seed=0, epoch=0,
                        ranks=1, grad_accum=1)
@@ -116,6 +120,16 @@ def main() -> None:
     t_mem = time.perf_counter() - t0
     positions = sum(int((b["labels"] != -100).sum()) for b in gpu[a.warmup:])
     flops = sum(flops_per_step(dc, b, a.anchors) for b in gpu[a.warmup:])
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for b in gpu[a.warmup: a.warmup + a.profile]:
+                step(b)
+            sync()
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
     del gpu
     # (b) from the store, same micro-batches, DataLoader workers with pinned memory
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers, pin_memory=dev.type == "cuda",
@@ -133,7 +147,7 @@ def main() -> None:
     sync()
     t_store = time.perf_counter() - t0
     print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                      "layers": a.layers, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
+                      "layers": a.layers, "compile": a.compile, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
                       "ratio": t_mem / t_store, "data_wait_frac": wait / t_store,
                       "tflops_memory": flops / t_mem / 1e12, "mfu_memory": flops / t_mem / 1e12 / a.peak_tflops,

@@ -22,8 +22,15 @@ __all__ = ["regenerate"]
 
 
 def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: int = 0, num_samples: int = 1,
-               temperature: float = 0.0, max_new_tokens: int = 256, batch_size: int = 16, seed: int = 0) -> int:
-    """Append generated conversations to `out`; returns how many were written now."""
+               temperature: float = 0.0, max_new_tokens: int = 256, batch_size: int = 16, seed: int = 0,
+               shard: tuple[int, int] = (0, 1)) -> int:
+    """Append generated conversations to `out`; returns how many were written now.
+
+    shard (i, n) generates only batches i, i+n, ... (one process per GPU, each with its own `out`);
+    batches are seeded by their global index, so the shards together hold what one run would.
+    """
+    if not 0 <= shard[0] < shard[1]:
+        raise ValueError(f"shard {shard[0]}/{shard[1]}: need 0 <= index < count")
     from cache_format.conversations import read_conversations
     from cache_format.prompts import train_prompts
     from cache_format.target import load_target
@@ -37,13 +44,14 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
     jobs = [(i, k) for i in range(len(convs)) for k in range(num_samples)]
     done = set()
     if Path(out).exists():
+        _drop_torn_tail(Path(out))
         with open(out, encoding="utf-8") as f:
             for line in f:
                 try:
                     r = json.loads(line)
                     done.add((r["prompt_index"], r["sample"]))
                 except (json.JSONDecodeError, KeyError):
-                    continue  # a torn last line from a killed run: regenerated below
+                    continue  # not ours: regenerated below
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = load_target(target, device=device)
     tok, model = t.tokenizer, t.model
@@ -53,10 +61,10 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     written = 0
     with open(out, "a", encoding="utf-8") as f:
-        for b in range(0, len(jobs), batch_size):
-            batch = [j for j in jobs[b: b + batch_size] if j not in done]
-            if not batch:
-                continue
+        for b in range(shard[0] * batch_size, len(jobs), batch_size * shard[1]):
+            batch = jobs[b: b + batch_size]
+            if all(j in done for j in batch):
+                continue  # a partly written batch is generated whole (same padding, same RNG draws)
             texts = [tok.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True) for i, _ in batch]
             enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + b)
@@ -65,6 +73,8 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
             with torch.no_grad():
                 ids = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, **kw)
             for (i, k), row in zip(batch, ids[:, enc["input_ids"].shape[1]:]):
+                if (i, k) in done:
+                    continue
                 reply = tok.decode(row, skip_special_tokens=True).strip()
                 rec = {"messages": convs[i] + [{"role": "assistant", "content": reply}], "prompt_index": i, "sample": k}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -72,6 +82,14 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
             f.flush()
             os.fsync(f.fileno())
     return written
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a run killed mid-write) so appends start on a fresh line."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
 
 
 @click.command()
@@ -84,8 +102,14 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
 @click.option("--max-new-tokens", default=256)
 @click.option("--batch-size", default=16)
 @click.option("--seed", default=0)
-def main(**kw) -> None:
+@click.option("--shard", default="0/1", help="i/n: generate only every n-th batch from batch i (one process per GPU).")
+def main(shard: str, **kw) -> None:
     """Generate target responses for prompts into a training JSONL."""
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        raise click.ClickException(f"--shard {shard!r}: expected i/n, e.g. 0/2") from None
+    kw["shard"] = (i, n)
     try:
         n = regenerate(**kw)
     except (ValueError, OSError) as e:

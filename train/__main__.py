@@ -51,7 +51,7 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--follow", is_flag=True, help="Train while stage one is still writing the store.")
 @click.option("--workers", default=2, show_default=True, help="DataLoader workers per rank.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True)
-@click.option("--compile", is_flag=True, help="torch.compile (GPU).")
+@click.option("--compile", is_flag=True, help="torch.compile each drafter layer (fuses norms, RoPE, SwiGLU).")
 def main(**kw) -> None:
     """Train a DFlash drafter from a store (DDP under torchrun; resumable)."""
     from cache_format import CacheFormatError

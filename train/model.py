@@ -107,7 +107,11 @@ class DraftLayer(nn.Module):
         v = self.v_proj(h).view(b, q_len, -1, hd).transpose(1, 2)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
         if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
-            o = _compiled_flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
+            from torch.nn.attention.flex_attention import flex_attention
+
+            # inside a compiled layer the plain function is traced; eager needs the compiled one
+            flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+            o = flex(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
         else:
             rep = self.c.num_heads // self.c.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -129,6 +133,14 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.register_buffer("embed_tokens", embed.detach().clone(), persistent=False)  # [V, H]
         self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # [V, H]
+
+    def compile_layers(self) -> None:
+        """torch.compile each layer in place: fuses the norms, RoPE and SwiGLU around the matmuls.
+
+        Shapes vary per batch (context length, anchors), hence dynamic shapes.
+        """
+        for layer in self.layers:
+            layer.compile(dynamic=True)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [B, T, K*H] -> fused context [B, T, H]."""

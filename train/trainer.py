@@ -138,6 +138,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         opt.load_state_dict(opt_state["optimizer"])
         sched.load_state_dict(opt_state["scheduler"])
         step, start_epoch, skip = saved["step"], saved["epoch"], saved["step_in_epoch"]
+    if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
+        model.compile_layers()
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
     log = MetricsLog(cfg.out, rank == 0)

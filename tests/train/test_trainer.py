@@ -140,3 +140,19 @@ def test_follow_mode_trains_while_stage_one_writes(tmp_path):
     assert res["finalized"] and res["samples_last_epoch"] == 60  # the last epoch saw the whole store
     rows = _metrics(tmp_path / "run")
     assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager(store, tmp_path):
+    # --compile fuses the layers with inductor (CPU here): same losses, and checkpoints keep the eager names
+    train(_cfg(store, tmp_path / "eager", max_steps=6, checkpoint_every=6, log_every=1))
+    train(_cfg(store, tmp_path / "comp", max_steps=6, checkpoint_every=6, log_every=1, compile=True))
+    a, b = _metrics(tmp_path / "eager"), _metrics(tmp_path / "comp")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) < 1e-3 * abs(x["loss"]), (x["loss"], y["loss"])
+    wa = load_checkpoint(latest_checkpoint(tmp_path / "eager"))[0]
+    wb = load_checkpoint(latest_checkpoint(tmp_path / "comp"))[0]
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
