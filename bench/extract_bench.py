@@ -102,12 +102,15 @@ def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.devi
           else [ShardWriter(a.store, writer_id=w) for w in range(n)])
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden)
+    refused = run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden)
     sync()
     rate = tokens / (time.perf_counter() - t0)
     ring.close()
-    finalize_store(a.store, m)
+    state = finalize_store(a.store, m)
     shutil.rmtree(a.store, ignore_errors=True)
+    expected = sum(len(b) for b in batches)
+    if state["num_samples"] != expected or sum(refused.values()):  # a rate is only valid if everything was written
+        raise SystemExit(f"{writer}:{n}: wrote {state['num_samples']} of {expected} samples ({dict(refused)})")
     return rate, m.bytes_per_token()
 
 

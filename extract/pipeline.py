@@ -114,12 +114,16 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                         host_hid.copy_(hid, non_blocking=True)
                         if last is not None:
                             host_last.copy_(last, non_blocking=True)
-                        ok = ok.to("cpu", non_blocking=True)
+                        ok_host = ok.to("cpu", non_blocking=True)
                         event = torch.cuda.Event()
                         event.record()
-                    for x in (hid, last):  # keep their memory from reuse until the copy is done
+                    # Every tensor the side stream reads must outlive its copy: without this the
+                    # allocator hands their memory to the next forward while the copy is queued.
+                    # (Forgetting `ok` once refused most samples of large batches as "NaN/Inf".)
+                    for x in (hid, last, ok):
                         if x is not None:
                             x.record_stream(copy_stream)
+                    ok = ok_host
                 else:
                     host_hid.copy_(hid)
                     if last is not None:

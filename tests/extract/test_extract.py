@@ -237,3 +237,25 @@ def test_writer_processes_and_thread_counts_give_the_same_content(tmp_path, llam
         assert verify_store(tmp_path / f"{name}.zarr")["ok"]
     logs = {p.stem for p in (tmp_path / "threads3.zarr" / "commits").glob("w*.jsonl")}
     assert logs == {"w00000", "w00001", "w00002"}  # every batch is dealt over all three writers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_gpu_big_padded_batches_store_every_sample(tmp_path, llama, writer):
+    # Many short samples per batch: the side-stream copies race the next forward unless every
+    # tensor they read is kept alive (a lost `ok` mask once refused most samples as NaN/Inf).
+    data = write_chats(tmp_path / "many.jsonl", 300, seed=2)
+    store = tmp_path / "s.zarr"
+    s = run(_cfg(store, llama, data, token_budget=8192, writer=writer, writers=2))
+    assert s["skipped"].get("NaN/Inf in hidden state", 0) == 0, s["skipped"]
+    assert s["samples_in_store"] == 300 - sum(s["skipped"].values()) and verify_store(store)["ok"]
+    from cache_format.target import load_target
+
+    t = load_target(llama, device=torch.device("cuda"))
+    for _sid, (ids, _mask, hidden, last) in list(content(store).items())[::37]:
+        with torch.no_grad():
+            hs = t.model(ids[None].cuda(), output_hidden_states=True).hidden_states
+        ref = torch.cat([hs[i + 1][0] for i in (0, 2, 4)], -1).float().cpu()
+        torch.testing.assert_close(hidden.float(), ref, atol=5e-2, rtol=5e-2)  # bf16, other batch shapes
+        torch.testing.assert_close(last.float(), hs[-1][0].float().cpu(), atol=5e-2, rtol=5e-2)
