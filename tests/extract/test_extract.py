@@ -257,5 +257,6 @@ def test_gpu_big_padded_batches_store_every_sample(tmp_path, llama, writer):
         with torch.no_grad():
             hs = t.model(ids[None].cuda(), output_hidden_states=True).hidden_states
         ref = torch.cat([hs[i + 1][0] for i in (0, 2, 4)], -1).float().cpu()
-        torch.testing.assert_close(hidden.float(), ref, atol=5e-2, rtol=5e-2)  # bf16, other batch shapes
-        torch.testing.assert_close(last.float(), hs[-1][0].float().cpu(), atol=5e-2, rtol=5e-2)
+        for got, want in ((hidden.float(), ref), (last.float(), hs[-1][0].float().cpu())):
+            # bf16 through other batch shapes and kernels: compare by relative RMS, not elementwise
+            assert (got - want).norm() / want.norm() < 2e-2, (got - want).norm() / want.norm()
