@@ -49,7 +49,7 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--writer", type=click.Choice(["thread", "process"]), default="thread", show_default=True,
               help="Write the store from threads of the GPU process, or from writer processes that "
                    "read the ring from shared memory.")
-@click.option("--writers", default=2, show_default=True,
+@click.option("--writers", default=3, show_default=True,
               help="Store writers per rank; they share every batch and each writes whole shards of its own.")
 @click.option("--skip-bad", is_flag=True, help="Count and skip malformed lines instead of stopping.")
 @click.option("--overwrite", is_flag=True, help="Delete an existing store with other settings and start over.")

@@ -42,7 +42,7 @@ class ExtractConfig:
     writer: str = "thread"
     """Where the store is written: "thread" (threads of the GPU process) or "process" (writer
     processes reading the ring from shared memory)."""
-    writers: int = 2
+    writers: int = 3
     """Store writers per rank, sharing every batch, each committing its own shards (writer id
     rank*writers+w)."""
     skip_bad: bool = False
