@@ -19,7 +19,7 @@ import torch
 
 from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store
 from extract.data import Rendered
-from extract.pipeline import run_batches
+from extract.pipeline import ring_fields, run_batches
 from extract.plan import dflash_layer_ids
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--last-hidden", action="store_true")
+    ap.add_argument("--dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16")
     ap.add_argument("--queue-batches", type=int, default=4)
     ap.add_argument("--variants", default="thread:2",
                     help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
@@ -77,7 +78,7 @@ def main() -> None:
         writer, n = variant.split(":")
         with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens)
         print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                          "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "slots": a.queue_batches,
+                          "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "dtype": a.dtype, "slots": a.queue_batches,
                           "batches": a.batches, "layer_ids": layer_ids,
                           "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
                           "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}), flush=True)
@@ -91,18 +92,19 @@ def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.devi
                                    vocab_size=model.config.vocab_size),
                  tokenizer_sha256="-", layer_ids=tuple(layer_ids), last_hidden=a.last_hidden,
                  dataset=DatasetInfo(path="-", sha256="-", num_records=len(batches) * a.batch), max_len=a.seq,
-                 bucket_bounds=(a.seq,), rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
+                 bucket_bounds=(a.seq,), dtype=a.dtype, rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
     create_store(a.store, m)
     # The ring and the writers are set up once per run (page-locking the ring takes a moment), so
     # they are made before the clock starts; everything per batch is timed, including the tail:
     # the clock stops when the last shard is committed.
-    ring = HostRing(a.queue_batches, a.batch * a.seq, h * 5, h if a.last_hidden else 0, pin=dev.type == "cuda",
-                    shared=writer == "process")
+    fp8 = a.dtype == "fp8_e4m3"
+    ring = HostRing(a.queue_batches, a.batch * a.seq, ring_fields(h * 5, 5, h if a.last_hidden else 0, fp8),
+                    pin=dev.type == "cuda", shared=writer == "process")
     ws = ([ProcessWriter(a.store, w, ring) for w in range(n)] if writer == "process"
           else [ShardWriter(a.store, writer_id=w) for w in range(n)])
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    refused = run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden)
+    refused = run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden, fp8=fp8)
     sync()
     rate = tokens / (time.perf_counter() - t0)
     ring.close()

@@ -3,13 +3,15 @@
 #   regenerate (one process per GPU) -> extract a bf16 and an fp8 store (2 ranks each) ->
 #   train one drafter per store at once (GPU 0: bf16, GPU 1: fp8) -> evaluate both at once.
 # Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
-# STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint).
+# STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
+# STAGE=train reruns only training, resuming, and evaluation while the machine is still warm).
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; W=/root/w; mkdir -p "$OUT" $W
 G=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
 STEPS=${STEPS:-900}; TLIM=${TLIM:-330}
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+if [ "${STAGE:-all}" = all ]; then
 regen() {  # args: name, extra regenerate options; one shard per GPU
   for g in 0 1; do
     CUDA_VISIBLE_DEVICES=$g python3 -m extract.regenerate --out $W/$1.$g.jsonl --target "$G" --max-new-tokens 256 \
@@ -17,21 +19,28 @@ regen() {  # args: name, extra regenerate options; one shard per GPU
   done
   wait; tail -n1 $W/$1.*.log
 }
-regen sampled --num-samples 4 --temperature 0.8
-regen greedy --num-samples 1 --temperature 0
-cat $W/sampled.0.jsonl $W/sampled.1.jsonl $W/greedy.0.jsonl $W/greedy.1.jsonl > $W/regen.jsonl
-wc -l $W/regen.jsonl; stamp regenerated
+# The dataset these commands made on 2026-11-29 is committed (298 s of two GPUs); REGEN=1 remakes it.
+DATA=docs/results/smollm2-x2-820steps/regen.jsonl.gz
+if [ "${REGEN:-0}" = 1 ] || [ ! -f $DATA ]; then
+  regen sampled --num-samples 4 --temperature 0.8
+  regen greedy --num-samples 1 --temperature 0
+  cat $W/sampled.0.jsonl $W/sampled.1.jsonl $W/greedy.0.jsonl $W/greedy.1.jsonl > $W/regen.jsonl
+  gzip -c $W/regen.jsonl > "$OUT/regen.jsonl.gz"
+else
+  gunzip -c $DATA > $W/regen.jsonl
+fi
+wc -l $W/regen.jsonl; stamp data ready
 for d in bfloat16 fp8_e4m3; do
   torchrun --standalone --nproc-per-node 2 -m extract --store /dev/shm/$d.zarr --target "$G" --data $W/regen.jsonl \
     --max-len 1024 --token-budget 65536 --dtype $d --json 2>&1 | grep -v "tok/s]" | tee "$OUT/extract_$d.json" | tail -n 32
   stamp extracted $d
 done
-gzip -c $W/regen.jsonl > "$OUT/regen.jsonl.gz"
+fi
 for i in 0 1; do
   d=$([ $i = 0 ] && echo bfloat16 || echo fp8_e4m3)
   CUDA_VISIBLE_DEVICES=$i timeout $TLIM python3 -m train --store /dev/shm/$d.zarr --out $W/run_$d --num-layers 3 \
     --epochs 20 --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
-    --compile > $W/train_$d.log 2>&1 &
+    --compile $([ -d $W/run_$d/checkpoints ] && echo --resume) > $W/train_$d.log 2>&1 &
 done
 wait; stamp trained
 for d in bfloat16 fp8_e4m3; do

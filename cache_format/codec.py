@@ -7,18 +7,23 @@ an outlier layer does not crush the others' precision.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import google_crc32c
 import numpy as np
 import torch
 
 __all__ = [
     "FP8_MAX",
+    "Fp8Rows",
     "bf16_to_bits",
     "bits_to_bf16",
     "checksum",
     "compressors_for",
     "dequantize_fp8",
     "file_checksum",
+    "fp8_dequantize",
+    "fp8_quantize",
     "quantize_fp8",
 ]
 
@@ -37,23 +42,46 @@ def bits_to_bf16(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bfloat16)
 
 
-def quantize_fp8(x: torch.Tensor, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
-    """x [T, K*H] (any float dtype) -> (fp8 bits uint8 [T, K*H], scales float32 [T, K])."""
-    t, width = x.shape
-    xs = x.float().reshape(t, num_layers, width // num_layers)  # [T, K, H]
-    amax = xs.abs().amax(dim=-1, keepdim=True)  # [T, K, 1]
+class Fp8Rows(NamedTuple):
+    """Rows already quantized (on the GPU, by stage one): what ShardWriter.add stores for fp8."""
+
+    bits: torch.Tensor  # uint8 [T, K*H]: float8_e4m3fn bit patterns
+    scales: torch.Tensor  # float32 [T, K]
+    sq_err: float  # sum of squared quantization error over these rows
+    sq_ref: float  # sum of squares of the unquantized rows
+
+
+def fp8_quantize(x: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K*H] (any float dtype, any device) -> (uint8 bits [..., K*H], float32 scales [..., K])."""
+    *lead, width = x.shape
+    xs = x.float().reshape(*lead, num_layers, width // num_layers)  # [..., K, H]
+    amax = xs.abs().amax(dim=-1, keepdim=True)  # [..., K, 1]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (xs / scale).to(torch.float8_e4m3fn).reshape(t, width)
-    return q.view(torch.uint8).numpy(), scale.reshape(t, num_layers).numpy()
+    q = (xs / scale).to(torch.float8_e4m3fn).reshape(*lead, width)
+    return q.view(torch.uint8), scale.reshape(*lead, num_layers)
+
+
+def fp8_dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(uint8 [..., K*H], float32 [..., K]) -> float32 [..., K*H], on their device."""
+    *lead, width = bits.shape
+    k = scales.shape[-1]
+    q = bits.view(torch.float8_e4m3fn).reshape(*lead, k, width // k)
+    return (q.float() * scales[..., None]).reshape(*lead, width)
+
+
+def quantize_fp8(x: torch.Tensor, num_layers: int) -> Fp8Rows:
+    """x [T, K*H] on the host -> Fp8Rows (with the squared error it introduced)."""
+    bits, scales = fp8_quantize(x, num_layers)
+    ref = x.float()
+    err = fp8_dequantize(bits, scales) - ref
+    return Fp8Rows(bits, scales, float((err * err).sum()), float((ref * ref).sum()))
 
 
 def dequantize_fp8(bits: np.ndarray, scales: np.ndarray) -> torch.Tensor:
-    """(uint8 [T, K*H], float32 [T, K]) -> bf16 [T, K*H]."""
-    t, width = bits.shape
-    k = scales.shape[1]
-    q = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).reshape(t, k, width // k)
-    s = torch.from_numpy(np.ascontiguousarray(scales)).reshape(t, k, 1)
-    return (q.float() * s).reshape(t, width).to(torch.bfloat16)
+    """Stored (uint8 [T, K*H], float32 [T, K]) arrays -> bf16 [T, K*H]."""
+    b = torch.from_numpy(np.ascontiguousarray(bits))
+    s = torch.from_numpy(np.ascontiguousarray(scales))
+    return fp8_dequantize(b, s).to(torch.bfloat16)
 
 
 def compressors_for(compression: str, typesize: int) -> object | None:

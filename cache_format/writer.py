@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import zarr
 
-from cache_format.codec import bf16_to_bits, checksum, compressors_for, file_checksum, quantize_fp8
+from cache_format.codec import Fp8Rows, bf16_to_bits, checksum, compressors_for, file_checksum, quantize_fp8
 from cache_format.errors import CacheFormatError, ManifestMismatchError
 from cache_format.layout import (
     FROZEN_FILE,
@@ -182,14 +182,21 @@ class ShardWriter:
 
     # ---------------------------------------------------------------- writing
     def add(self, sample_id: int, *, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            hidden: torch.Tensor, last_hidden: torch.Tensor | None = None) -> None:
+            hidden: torch.Tensor | Fp8Rows, last_hidden: torch.Tensor | None = None) -> None:
         """Buffer one sample; shards that fill up are written and committed.
 
-        input_ids [L] ints, loss_mask [L] 0/1, hidden [L, K*H] float, last_hidden [L, H] float.
+        input_ids [L] ints, loss_mask [L] 0/1, hidden [L, K*H] float (or, for an fp8 store, rows
+        already quantized by the caller), last_hidden [L, H] float.
         """
         m = self.manifest
         n = int(input_ids.shape[0])
-        if hidden.shape != (n, m.row_width):
+        if isinstance(hidden, Fp8Rows):
+            if m.dtype != "fp8_e4m3":
+                raise CacheFormatError(f"sample {sample_id}: fp8 rows given to a {m.dtype} store")
+            if hidden.bits.shape != (n, m.row_width) or hidden.scales.shape != (n, len(m.layer_ids)):
+                raise CacheFormatError(f"sample {sample_id}: fp8 rows {tuple(hidden.bits.shape)} / scales "
+                                       f"{tuple(hidden.scales.shape)} do not fit {n} tokens x {m.row_width}")
+        elif hidden.shape != (n, m.row_width):
             raise CacheFormatError(f"sample {sample_id}: hidden has shape {tuple(hidden.shape)}, "
                                    f"expected {(n, m.row_width)}")
         if m.last_hidden != (last_hidden is not None):
@@ -201,8 +208,10 @@ class ShardWriter:
         if m.dtype == "bfloat16":
             rows["hidden"] = bf16_to_bits(hidden.cpu())
         else:
-            rows["hidden"], rows["hidden_scale"] = quantize_fp8(hidden.cpu(), len(m.layer_ids))
-            self._track_fp8_error(hidden, rows["hidden"], rows["hidden_scale"])
+            q = hidden if isinstance(hidden, Fp8Rows) else quantize_fp8(hidden.cpu(), len(m.layer_ids))
+            rows["hidden"], rows["hidden_scale"] = q.bits.cpu().numpy(), q.scales.cpu().numpy()
+            self.fp8_err[0] += q.sq_err
+            self.fp8_err[1] += q.sq_ref
         if last_hidden is not None:
             rows["last_hidden"] = bf16_to_bits(last_hidden.cpu())
         b = bucket_of(n, m.bucket_bounds)
@@ -219,14 +228,6 @@ class ShardWriter:
                 self._write(b, bucket)
                 bucket.base += self._rows
                 bucket.fill = 0
-
-    def _track_fp8_error(self, hidden: torch.Tensor, bits: np.ndarray, scales: np.ndarray) -> None:
-        from cache_format.codec import dequantize_fp8
-
-        ref = hidden.float().cpu()
-        err = dequantize_fp8(bits, scales).float() - ref
-        self.fp8_err[0] += float((err * err).sum())
-        self.fp8_err[1] += float((ref * ref).sum())
 
     def _write(self, b: int, bucket: _Bucket) -> None:
         """Write rows [base, base+fill) of bucket `b` as one whole shard, then commit."""

@@ -19,12 +19,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache_format import ShardWriter
+from cache_format.codec import fp8_dequantize, fp8_quantize
 from cache_format.target import capture, decoder_parts
 from extract.data import Rendered
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter, WriteItem, write_rows
 
-__all__ = ["run_batches"]
+__all__ = ["ring_fields", "run_batches"]
 
 NONFINITE = "NaN/Inf in hidden state"
 
@@ -43,9 +44,11 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
                 writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *, last_hidden: bool,
-                on_batch: Callable[[int], None] = lambda n: None) -> Counter:
+                fp8: bool = False, on_batch: Callable[[int], None] = lambda n: None) -> Counter:
     """Extract every batch; returns counts of refused samples. Closes the writers.
 
+    fp8 quantizes the taps on the device (ring field "hidden" holds the bits, "scales" the
+    per-token-per-layer scales), which halves the copy and keeps the host free of float maths.
     No writers (and no ring) runs the bare forward: same hooks, concatenation and finiteness
     check, no host copy, no store.
     """
@@ -60,17 +63,14 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
         item = ...
         try:
             while (item := inbox.get()) is not None:
-                event, slot, b, t, rows, batch, ok = item
+                event, slot, b, t, rows, batch, small = item
                 if event is not None:
-                    event.synchronize()  # the states and `ok` have landed in host memory
+                    event.synchronize()  # the states and `small` have landed in host memory
                 w = WriteItem(slot=slot, batch=b, seq=t, rows=rows, sample_ids=[batch[j].sample_id for j in rows],
                               input_ids=[batch[j].input_ids for j in rows], loss_masks=[batch[j].loss_mask for j in rows],
-                              ok=[bool(ok[j]) for j in rows])
-                if isinstance(writer, ProcessWriter):
-                    n = writer.write(w)
-                else:
-                    hid, last = ring.views(w.slot, w.batch, w.seq)
-                    n = write_rows(writer, hid, last, w)
+                              ok=[bool(small[j, 0]) for j in rows],
+                              fp8_sq=[(float(small[j, 1]), float(small[j, 2])) for j in rows] if fp8 else None)
+                n = writer.write(w) if isinstance(writer, ProcessWriter) else write_rows(writer, ring.views(slot, b, t), w)
                 with count_lock:
                     refused[NONFINITE] += n
                 ring.release(w.slot)
@@ -102,39 +102,37 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     refused[NONFINITE] += int((~ok).sum())  # syncs, like the copy would
                     on_batch(sum(len(r.input_ids) for r in batch))
                     continue
+                fields, small = _device_fields(hid, last, ok, att, len(layer_ids) if fp8 else 0)
                 slot = ring.take(failed=lambda: bool(failure))
                 if slot is None:
                     break
                 b, t, _ = hid.shape
-                host_hid, host_last = ring.views(slot, b, t)
+                host = ring.views(slot, b, t)
                 event = None
                 if copy_stream is not None:  # copy on a side stream: the next forward overlaps it
                     copy_stream.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(copy_stream):
-                        host_hid.copy_(hid, non_blocking=True)
-                        if last is not None:
-                            host_last.copy_(last, non_blocking=True)
-                        ok_host = ok.to("cpu", non_blocking=True)
+                        for name, x in fields.items():
+                            host[name].copy_(x, non_blocking=True)
+                        small_host = small.to("cpu", non_blocking=True)
                         event = torch.cuda.Event()
                         event.record()
                     # Every tensor the side stream reads must outlive its copy: without this the
                     # allocator hands their memory to the next forward while the copy is queued.
-                    # (Forgetting `ok` once refused most samples of large batches as "NaN/Inf".)
-                    for x in (hid, last, ok):
-                        if x is not None:
-                            x.record_stream(copy_stream)
-                    ok = ok_host
+                    # (Forgetting the `ok` mask once refused most samples of large batches as NaN/Inf.)
+                    for x in (*fields.values(), small):
+                        x.record_stream(copy_stream)
+                    small = small_host
                 else:
-                    host_hid.copy_(hid)
-                    if last is not None:
-                        host_last.copy_(last)
+                    for name, x in fields.items():
+                        host[name].copy_(x)
                 parts = [[] for _ in writers]
                 for j in range(b):
                     parts[(i + j) % len(writers)].append(j)
                 parts = [(k, rows) for k, rows in enumerate(parts) if rows]
                 ring.hold(slot, len(parts))
                 for k, rows in parts:
-                    inboxes[k].put((event, slot, b, t, rows, batch, ok))
+                    inboxes[k].put((event, slot, b, t, rows, batch, small))
                 on_batch(sum(len(r.input_ids) for r in batch))
     finally:
         for q in inboxes:
@@ -144,3 +142,36 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
     if failure:
         raise failure[0]
     return refused
+
+
+def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tensor, att: torch.Tensor,
+                   fp8_layers: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The ring fields of one batch, and per-sample `small` [B, 3]: ok, fp8 squared error, squared ref.
+
+    fp8_layers > 0 quantizes the taps here, per token and layer (cache_format.codec.fp8_quantize);
+    the error sums cover real tokens only (att), as the host path's would.
+    """
+    small = torch.zeros(hid.shape[0], 3, dtype=torch.float64, device=hid.device)
+    small[:, 0] = ok.double()
+    fields = {"hidden": hid}
+    if fp8_layers:
+        bits, scales = fp8_quantize(hid, fp8_layers)  # [B, T, K*H] uint8, [B, T, K] float32
+        ref = hid.float()
+        err = fp8_dequantize(bits, scales) - ref
+        real = att.double()  # [B, T]
+        small[:, 1] = ((err * err).sum(-1, dtype=torch.float64) * real).sum(-1)
+        small[:, 2] = ((ref * ref).sum(-1, dtype=torch.float64) * real).sum(-1)
+        fields = {"hidden": bits, "scales": scales}
+    if last is not None:
+        fields["last"] = last
+    return fields, small
+
+
+def ring_fields(width: int, num_layers: int, last_width: int, fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
+    """The HostRing fields that run_batches fills for these shapes."""
+    fields = {"hidden": (width, torch.uint8 if fp8 else torch.bfloat16)}
+    if fp8:
+        fields["scales"] = (num_layers, torch.float32)
+    if last_width:
+        fields["last"] = (last_width, torch.bfloat16)
+    return fields

@@ -1,11 +1,12 @@
 """A ring of host buffers that forward batches are copied into and store writers read from.
 
-Each slot holds one forward batch's states, flat: [max_tokens * width] bf16 (and the last hidden
-state beside it). The GPU loop takes a free slot, copies into it without blocking and hands the
-slot to the writers; the last writer done with it gives it back. A fixed ring instead of fresh
-`tensor.to("cpu", non_blocking=True)` copies matters on GPU: page-locking 600 MB per Qwen3-8B
-batch on first use cost seconds in a short benchmark, and a fixed ring bounds host RAM by
-construction (slots x max_tokens x bytes/token).
+Each slot holds one forward batch, as named flat fields: e.g. "hidden" [max_tokens * K*H] (bf16,
+or fp8 bits when the store is fp8 and the GPU quantized), "scales" [max_tokens * K] (fp8 only),
+"last" [max_tokens * H]. The GPU loop takes a free slot, copies into it without blocking and
+hands the slot to the writers; the last writer done with it gives it back. A fixed ring instead
+of fresh `tensor.to("cpu", non_blocking=True)` copies matters on GPU: page-locking 600 MB per
+Qwen3-8B batch on first use cost seconds in a short benchmark, and a fixed ring bounds host RAM
+by construction (slots x max_tokens x bytes/token).
 
 `shared=True` puts the ring in shared memory so writer processes read it in place.
 """
@@ -22,27 +23,27 @@ __all__ = ["HostRing"]
 
 
 class HostRing:
-    """`slots` host buffers for batches of at most `max_tokens` padded tokens."""
+    """`slots` host buffers for batches of at most `max_tokens` padded tokens.
 
-    def __init__(self, slots: int, max_tokens: int, width: int, last_width: int, *, pin: bool, shared: bool) -> None:
+    fields: name -> (values per token, dtype).
+    """
+
+    def __init__(self, slots: int, max_tokens: int, fields: dict[str, tuple[int, torch.dtype]], *, pin: bool,
+                 shared: bool) -> None:
         if slots < 1 or max_tokens < 1:
             raise ValueError("a ring needs at least one slot of at least one token")
-        self.max_tokens, self.width, self.last_width = max_tokens, width, last_width
-
-        def alloc(w: int) -> torch.Tensor:
+        self.max_tokens, self.fields = max_tokens, dict(fields)
+        self.buffers: dict[str, torch.Tensor] = {}  # name -> [slots, max_tokens * width]
+        for name, (width, dtype) in self.fields.items():
             # shared memory cannot be allocated pinned; it is page-locked in place below instead
-            t = torch.empty(slots, max_tokens * w, dtype=torch.bfloat16, pin_memory=pin and not shared)
-            return t.share_memory_() if shared else t
-
-        self.hid = alloc(width)  # [slots, max_tokens * width]
-        self.last = alloc(last_width) if last_width else None  # [slots, max_tokens * last_width]
+            t = torch.empty(slots, max_tokens * width, dtype=dtype, pin_memory=pin and not shared)
+            self.buffers[name] = t.share_memory_() if shared else t
         self._registered: list[torch.Tensor] = []
         if pin and shared:
             cudart = torch.cuda.cudart()
-            for t in (self.hid, self.last):
-                if t is not None:
-                    cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-                    self._registered.append(t)
+            for t in self.buffers.values():
+                cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+                self._registered.append(t)
         self._free: queue.Queue[int] = queue.Queue()
         for s in range(slots):
             self._free.put(s)
@@ -58,13 +59,11 @@ class HostRing:
                 if failed():
                     return None
 
-    def views(self, slot: int, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The slot as [b, t, width] (and [b, t, last_width]) tensors."""
+    def views(self, slot: int, b: int, t: int) -> dict[str, torch.Tensor]:
+        """The slot's fields as [b, t, width] tensors."""
         if b * t > self.max_tokens:
             raise ValueError(f"batch of {b} x {t} tokens exceeds the ring's {self.max_tokens} tokens per slot")
-        hid = self.hid[slot][: b * t * self.width].view(b, t, self.width)
-        last = self.last[slot][: b * t * self.last_width].view(b, t, self.last_width) if self.last is not None else None
-        return hid, last
+        return {name: self.buffers[name][slot][: b * t * w].view(b, t, w) for name, (w, _) in self.fields.items()}
 
     def hold(self, slot: int, holders: int) -> None:
         """`holders` writers will each `release(slot)` once; the slot is free after the last."""
@@ -82,7 +81,7 @@ class HostRing:
 
     def __getstate__(self) -> dict:
         # A writer process gets the shared tensors only; the free list stays with the GPU process.
-        return {k: self.__dict__[k] for k in ("max_tokens", "width", "last_width", "hid", "last")}
+        return {"max_tokens": self.max_tokens, "fields": self.fields, "buffers": self.buffers}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _registered=[])

@@ -30,7 +30,7 @@ from cache_format.schema import default_bucket_bounds
 from cache_format.target import frozen_parts, load_target
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
-from extract.pipeline import run_batches
+from extract.pipeline import ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
@@ -127,7 +127,9 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
     _barrier(world)
-    ring = HostRing(cfg.queue_batches, cfg.token_budget, h * len(layer_ids), h if cfg.last_hidden else 0,
+    fp8 = cfg.dtype == "fp8_e4m3"
+    ring = HostRing(cfg.queue_batches, cfg.token_budget,
+                    ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0, fp8),
                     pin=device.type == "cuda", shared=cfg.writer == "process")
     ids = [world.rank * cfg.writers + w for w in range(cfg.writers)]
     writers = ([ProcessWriter(cfg.store, i, ring) for i in ids] if cfg.writer == "process"
@@ -147,7 +149,7 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
     t_loop = time.time()
     try:
         nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writers, ring,
-                                last_hidden=cfg.last_hidden, on_batch=bar.update)
+                                last_hidden=cfg.last_hidden, fp8=fp8, on_batch=bar.update)
     finally:
         bar.close()
         ring.close()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp  # registers tensor reductions: shared storage, not pickled bytes
 
+from cache_format.codec import Fp8Rows
 from extract.ring import HostRing
 
 __all__ = ["ProcessWriter", "WriteItem"]
@@ -33,17 +34,24 @@ class WriteItem:
     input_ids: list[torch.Tensor]
     loss_masks: list[torch.Tensor]
     ok: list[bool]
+    fp8_sq: list[tuple[float, float]] | None = None  # per sample (squared error, squared ref), GPU-quantized
 
 
-def write_rows(writer, hid: torch.Tensor, last: torch.Tensor | None, item: WriteItem) -> int:
-    """Add the item's samples to a ShardWriter from views [B, T, width]; returns the refused count."""
+def write_rows(writer, views: dict[str, torch.Tensor], item: WriteItem) -> int:
+    """Add the item's samples to a ShardWriter from ring views [B, T, width]; returns the refused count.
+
+    With a "scales" field the "hidden" field holds fp8 bits quantized on the GPU.
+    """
     refused = 0
-    for j, sid, ids, mask, ok in zip(item.rows, item.sample_ids, item.input_ids, item.loss_masks, item.ok):
+    hid, last, scales = views["hidden"], views.get("last"), views.get("scales")
+    for i, (j, sid, ids, mask, ok) in enumerate(zip(item.rows, item.sample_ids, item.input_ids, item.loss_masks,
+                                                   item.ok)):
         if not ok:
             refused += 1
             continue
         n = len(ids)
-        writer.add(sid, input_ids=ids, loss_mask=mask, hidden=hid[j, :n],
+        hidden = hid[j, :n] if scales is None else Fp8Rows(hid[j, :n], scales[j, :n], *item.fp8_sq[i])
+        writer.add(sid, input_ids=ids, loss_mask=mask, hidden=hidden,
                    last_hidden=last[j, :n] if last is not None else None)
     return refused
 
@@ -55,8 +63,7 @@ def _child(store: str, writer_id: int, ring: HostRing, inbox, outbox) -> None:
         w = ShardWriter(store, writer_id=writer_id)
         outbox.put(("ready", None))
         while (item := inbox.get()) is not None:
-            hid, last = ring.views(item.slot, item.batch, item.seq)
-            outbox.put(("done", write_rows(w, hid, last, item)))
+            outbox.put(("done", write_rows(w, ring.views(item.slot, item.batch, item.seq), item)))
         w.close()
         outbox.put(("closed", None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line

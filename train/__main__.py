@@ -52,6 +52,9 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--workers", default=2, show_default=True, help="DataLoader workers per rank.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True)
 @click.option("--compile", is_flag=True, help="torch.compile each drafter layer (fuses norms, RoPE, SwiGLU).")
+@click.option("--val-samples", default=0, show_default=True,
+              help="Hold out N samples; log their teacher-forced val_loss/val_acc/val_sim_tau.")
+@click.option("--val-every", default=100, show_default=True, help="Steps between held-out evaluations.")
 def main(**kw) -> None:
     """Train a DFlash drafter from a store (DDP under torchrun; resumable)."""
     from cache_format import CacheFormatError

@@ -61,6 +61,11 @@ class TrainConfig:
     """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
     compile: bool = False
     """torch.compile the drafter layers (GPU)."""
+    val_samples: int = 0
+    """Samples held out of training (a seeded choice); their teacher-forced loss, acc and sim_tau
+    (fixed anchors) are logged as val_* every val_every steps, to see overfitting."""
+    val_every: int = 100
+    """Steps between held-out evaluations (and one at the end)."""
 
     def __post_init__(self) -> None:
         if not self.store or not self.out:
@@ -75,6 +80,10 @@ class TrainConfig:
             raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
         if self.lr <= 0 or not 0 <= self.warmup < 1 or self.clip <= 0:
             raise ValueError("lr and clip must be > 0 and warmup in [0, 1)")
+        if self.val_samples < 0 or self.val_every < 1:
+            raise ValueError(f"val_samples must be >= 0 and val_every >= 1, got {self.val_samples}, {self.val_every}")
+        if self.val_samples and self.follow:
+            raise ValueError("val_samples needs the whole store to choose from: not with follow")
         if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
             raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
         if self.attention not in ("auto", "flex", "sdpa"):
@@ -91,5 +100,5 @@ class TrainConfig:
 
 
 # Fields that may change on --resume without changing what is trained.
-RESUME_FREE = ("resume", "max_steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
+RESUME_FREE = ("resume", "max_steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
                "follow", "compile", "out")

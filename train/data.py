@@ -14,7 +14,7 @@ import torch
 from cache_format import StoreReader
 from train.anchors import IGNORE, build_blocks, sample_anchors
 
-__all__ = ["BatchDataset", "collate", "plan_epoch"]
+__all__ = ["BatchDataset", "collate", "holdout_mask", "plan_epoch", "plan_holdout"]
 
 
 def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, *, token_budget: int, seed: int,
@@ -43,6 +43,28 @@ def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray,
     micro = [micro[i] for i in g.permutation(len(micro))]
     per_step = ranks * grad_accum
     return [micro[i: i + per_step] for i in range(0, len(micro) - per_step + 1, per_step)]
+
+
+def holdout_mask(sample_ids: np.ndarray, n: int, seed: int) -> np.ndarray:
+    """bool [len(sample_ids)]: True for the n samples held out of training (a seeded choice by id).
+
+    Chosen from the sorted ids, so the same store and seed hold out the same samples whatever
+    order the index lists them in.
+    """
+    if not 0 <= n < len(sample_ids):
+        raise ValueError(f"cannot hold out {n} of {len(sample_ids)} samples: keep at least one for training")
+    order = np.argsort(sample_ids, kind="stable")
+    chosen = order[np.random.default_rng([seed, 7]).permutation(len(order))[:n]]
+    mask = np.zeros(len(sample_ids), dtype=bool)
+    mask[chosen] = True
+    return mask
+
+
+def plan_holdout(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, *, token_budget: int,
+                 ranks: int, rank: int) -> list[list[int]]:
+    """This rank's micro-batches of the held-out samples: every sample in exactly one rank's list."""
+    micro = plan_epoch(sample_ids, lengths, buckets, token_budget=token_budget, seed=0, epoch=0, ranks=1, grad_accum=1)
+    return [s[0] for s in micro[rank::ranks]]
 
 
 class BatchDataset(torch.utils.data.Dataset):

@@ -24,7 +24,7 @@ class MetricsLog:
 
 
 def plot_metrics(run: str | os.PathLike) -> list[Path]:
-    """loss.png and sim_tau.png from metrics.jsonl."""
+    """loss.png and sim_tau.png from metrics.jsonl (training rows, and held-out rows if any)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,12 +32,16 @@ def plot_metrics(run: str | os.PathLike) -> list[Path]:
 
     rows = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines() if x.strip()]
     out = []
-    for key, label in (("loss", "training loss"), ("sim_tau", "teacher-forced expected acceptance τ")):
+    for key, label in (("loss", "loss"), ("sim_tau", "teacher-forced expected acceptance τ")):
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows])
+        for k, name in ((key, "training batches"), (f"val_{key}", "held-out samples")):
+            pts = [(r["step"], r[k]) for r in rows if k in r]  # held-out rows are their own lines
+            if pts:
+                ax.plot(*zip(*pts), label=name, marker="o" if k.startswith("val_") else None)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+        ax.legend()
         fig.tight_layout()
         p = Path(run) / f"{key}.png"
         fig.savefig(p, dpi=100)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from cache_format import StoreReader
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
-from train.data import BatchDataset, plan_epoch
+from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout
 from train.losses import acceptance_from_acc, default_gamma, draft_loss
 from train.masks import dense_mask, flex_block_mask
 from train.metrics import MetricsLog, plot_metrics
@@ -75,6 +75,34 @@ def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, 
     return out
 
 
+@torch.no_grad()
+def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int, block_size: int,
+                     gamma: float, kl_weight: float, use_flex: bool) -> dict[str, Any]:
+    """Teacher-forced loss, per-slot accuracy and sim_tau over the held-out micro-batches (all ranks)."""
+    model.eval()
+    acc = torch.zeros(block_size, device=device)
+    cnt = torch.zeros(block_size, device=device)
+    tot = torch.zeros(2, device=device)  # weighted loss sum, weight sum
+    for i in range(len(ds)):
+        batch = {k: v.to(device) for k, v in ds[i].items()}
+        t = batch["taps"].shape[1]
+        ctx_pos = torch.arange(t, device=device)[None].expand(batch["taps"].shape[0], t)
+        mask = (flex_block_mask if use_flex else dense_mask)(batch["anchors"], t, block_size)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            hidden = model(batch["taps"], ctx_pos, batch["block_ids"], batch["block_pos"], mask)
+            out = draft_loss(hidden, batch["labels"], model.lm_head, block_size=block_size, gamma=gamma,
+                             teacher=batch.get("teacher"), kl_weight=kl_weight)
+        acc += out["correct"]
+        cnt += out["count"]
+        tot += torch.stack([out["loss"].float() * out["weight_sum"], out["weight_sum"]])
+    stats = torch.cat([acc, cnt, tot])
+    if world > 1:
+        dist.all_reduce(stats)
+    model.train()
+    a = (stats[:block_size] / stats[block_size:2 * block_size].clamp(min=1)).tolist()[1:]
+    return {"val_loss": float(stats[-2] / stats[-1].clamp(min=1e-12)), "val_acc": a, "val_sim_tau": acceptance_from_acc(a)}
+
+
 def _lr_lambda(total: int, warmup: float):
     w = max(1, int(total * warmup))
 
@@ -116,9 +144,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
+    held = holdout_mask(reader.sample_ids, cfg.val_samples, cfg.seed) if cfg.val_samples else None
+
     def steps_in(epoch: int) -> list[list[list[int]]]:
-        return plan_epoch(reader.sample_ids, reader.lengths(), reader.buckets(), token_budget=cfg.token_budget,
-                          seed=cfg.seed, epoch=epoch, ranks=world, grad_accum=cfg.grad_accum)
+        ids, lens, bks = reader.sample_ids, reader.lengths(), reader.buckets()
+        if held is not None:
+            ids, lens, bks = ids[~held], lens[~held], bks[~held]
+        return plan_epoch(ids, lens, bks, token_budget=cfg.token_budget, seed=cfg.seed, epoch=epoch, ranks=world,
+                          grad_accum=cfg.grad_accum)
 
     if cfg.follow:
         while len(reader) == 0:
@@ -155,6 +188,21 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                    **config_record})
         if world > 1:
             dist.barrier()
+
+    val_ds = None
+    if held is not None:
+        val_micro = plan_holdout(reader.sample_ids[held], reader.lengths()[held], reader.buckets()[held],
+                                 token_budget=cfg.token_budget, ranks=world, rank=rank)
+        # fixed anchors (epoch -1 keys): every evaluation scores the same blocks
+        val_ds = BatchDataset(cfg.store, val_micro, list(range(len(val_micro))), tap_index=tap_index,
+                              num_stored_taps=len(reader.manifest.layer_ids), num_anchors=cfg.num_anchors,
+                              block_size=cfg.block_size, mask_token_id=dc.mask_token_id, seed=cfg.seed, epoch=-1,
+                              with_teacher=cfg.effective_kl_weight > 0)
+
+    def validate() -> None:
+        row = evaluate_holdout(model, val_ds, device, world=world, block_size=cfg.block_size, gamma=gamma,
+                               kl_weight=cfg.effective_kl_weight, use_flex=use_flex)
+        log.write({"step": step, "epoch": epoch, **row})
 
     # ------------------------------------------------------------------ loop
     bar = tqdm(total=total, initial=step, disable=rank != 0, desc="train", unit="step")
@@ -220,6 +268,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 acc_sum.zero_(), cnt_sum.zero_()
                 loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
             position = (epoch, s_idx + 1)
+            if val_ds is not None and step % cfg.val_every == 0:
+                validate()
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 checkpoint(*position)
             if step >= total:
@@ -230,6 +280,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             position = (epoch + 1, 0)
         epoch += 1
     bar.close()
+    if val_ds is not None and step % cfg.val_every:
+        validate()
     checkpoint(*position)
     if rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
         plot_metrics(cfg.out)

@@ -156,3 +156,14 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
+
+
+def test_held_out_samples_are_scored_and_improve(store, tmp_path):
+    train(_cfg(store, tmp_path / "v", max_steps=60, val_samples=4, val_every=20))
+    rows = _metrics(tmp_path / "v")
+    val = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in val] == [20, 40, 60]
+    assert val[-1]["val_loss"] < val[0]["val_loss"] and len(val[-1]["val_acc"]) == 3
+    assert all("loss" in r for r in rows if "val_loss" not in r)  # training rows are unchanged
+    with pytest.raises(ValueError, match="follow"):
+        _cfg(store, tmp_path / "w", val_samples=4, follow=True)

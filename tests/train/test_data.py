@@ -1,0 +1,53 @@
+"""The pure batch plans: epoch plan over ranks, and the held-out split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from train.data import holdout_mask, plan_epoch, plan_holdout
+
+
+def _store(n=237, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(10 * n)[:n]  # sparse, unordered ids, as several writers produce
+    lengths = rng.integers(5, 400, n)
+    buckets = np.digitize(lengths, [128, 256])
+    return ids, lengths, buckets
+
+
+@pytest.mark.parametrize("ranks,accum", [(1, 1), (2, 1), (3, 2), (8, 1)])
+def test_plan_epoch_properties(ranks, accum):
+    ids, lengths, buckets = _store()
+    by_id = {int(i): (int(n), int(b)) for i, n, b in zip(ids, lengths, buckets)}
+    steps = plan_epoch(ids, lengths, buckets, token_budget=1024, seed=3, epoch=1, ranks=ranks, grad_accum=accum)
+    assert steps == plan_epoch(ids, lengths, buckets, token_budget=1024, seed=3, epoch=1, ranks=ranks, grad_accum=accum)
+    seen = []
+    for step in steps:
+        assert len(step) == ranks * accum  # every rank gets its micro-batches every step
+        for mb in step:
+            assert len({by_id[s][1] for s in mb}) == 1  # one length bucket per micro-batch
+            assert len(mb) == 1 or len(mb) * max(by_id[s][0] for s in mb) <= 1024
+            seen += mb
+    assert len(seen) == len(set(seen))  # no sample twice in an epoch
+    # only the last partial step is dropped: fewer than ranks*accum micro-batches' worth
+    full = plan_epoch(ids, lengths, buckets, token_budget=1024, seed=3, epoch=1, ranks=1, grad_accum=1)
+    assert len(full) - len(steps) * ranks * accum < ranks * accum
+    other = plan_epoch(ids, lengths, buckets, token_budget=1024, seed=3, epoch=2, ranks=ranks, grad_accum=accum)
+    assert other != steps  # reshuffled every epoch
+
+
+def test_holdout_is_seeded_exact_and_order_free():
+    ids, lengths, buckets = _store()
+    m = holdout_mask(ids, 20, seed=5)
+    assert m.sum() == 20 and np.array_equal(m, holdout_mask(ids, 20, seed=5))
+    assert not np.array_equal(m, holdout_mask(ids, 20, seed=6))
+    perm = np.random.default_rng(1).permutation(len(ids))
+    assert set(ids[perm][holdout_mask(ids[perm], 20, seed=5)]) == set(ids[m])  # same samples in any order
+    with pytest.raises(ValueError):
+        holdout_mask(ids, len(ids), seed=0)
+    # the held-out samples are split over ranks, each exactly once, none dropped
+    for ranks in (1, 2, 3, 7):
+        got = [s for r in range(ranks) for mb in plan_holdout(ids[m], lengths[m], buckets[m], token_budget=512,
+                                                               ranks=ranks, rank=r) for s in mb]
+        assert sorted(got) == sorted(ids[m].tolist())
