@@ -26,6 +26,10 @@ def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray,
     samples come first in another epoch's shuffle).
     """
     g = np.random.default_rng([seed, epoch])
+    # by id first: the plan depends on the set of samples, not on the order the index lists them
+    # (which follows writer ids, i.e. how many writers stage one ran)
+    order = np.argsort(sample_ids, kind="stable")
+    sample_ids, lengths, buckets = sample_ids[order], lengths[order], buckets[order]
     micro: list[list[int]] = []
     for b in np.unique(buckets):
         sel = np.flatnonzero(buckets == b)

@@ -51,3 +51,11 @@ def test_holdout_is_seeded_exact_and_order_free():
         got = [s for r in range(ranks) for mb in plan_holdout(ids[m], lengths[m], buckets[m], token_budget=512,
                                                                ranks=ranks, rank=r) for s in mb]
         assert sorted(got) == sorted(ids[m].tolist())
+
+
+def test_plan_depends_on_the_sample_set_not_the_index_order():
+    ids, lengths, buckets = _store()
+    perm = np.random.default_rng(2).permutation(len(ids))
+    a = plan_epoch(ids, lengths, buckets, token_budget=1024, seed=1, epoch=0, ranks=2, grad_accum=1)
+    b = plan_epoch(ids[perm], lengths[perm], buckets[perm], token_budget=1024, seed=1, epoch=0, ranks=2, grad_accum=1)
+    assert a == b

@@ -44,7 +44,7 @@ def _metrics(out):
 
 
 def test_loss_falls_well_below_start(store, tmp_path):
-    train(_cfg(store, tmp_path / "r", max_steps=150))
+    train(_cfg(store, tmp_path / "r", max_steps=300))
     rows = _metrics(tmp_path / "r")
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
     assert rows[-1]["sim_tau"] > rows[0]["sim_tau"]
