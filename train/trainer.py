@@ -103,6 +103,19 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     return {"val_loss": float(stats[-2] / stats[-1].clamp(min=1e-12)), "val_acc": a, "val_sim_tau": acceptance_from_acc(a)}
 
 
+def _wait_for_store(root: Path, *, announce: bool) -> None:
+    """Block until stage one has created the store and saved the frozen target parts (the last
+    things it writes before any sample), so `make extract` and `make train --follow` can start together."""
+    from cache_format.layout import FROZEN_FILE
+
+    said = False
+    while not ((root / "zarr.json").exists() and (root / FROZEN_FILE).exists()):
+        if announce and not said:
+            print(f"waiting for stage one to create {root} ...", flush=True)
+            said = True
+        time.sleep(1.0)
+
+
 def _lr_lambda(total: int, warmup: float):
     w = max(1, int(total * warmup))
 
@@ -131,6 +144,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ store and model
+    if cfg.follow:  # started beside stage one: the store may not exist yet
+        _wait_for_store(Path(cfg.store), announce=rank == 0)
     reader = StoreReader(cfg.store)
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
