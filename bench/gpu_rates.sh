@@ -2,7 +2,8 @@
 # Extraction and training rates on the GPU host (issue 6 items 2 and 3), JSON lines in $OUT.
 # Run on the device machine after installing the carried wheels into /root/site (device.md):
 #   bash bench/gpu_rates.sh extract    # 1 GPU: writer variants; then both GPUs at once (x2)
-#   bash bench/gpu_rates.sh train      # 1 GPU: eager vs --compile (+ profile); DDP 1 vs 2 GPUs (x2)
+#   bash bench/gpu_rates.sh train      # 1 GPU: eager vs --compile (+ profile), 8B and SmolLM2 shapes
+#   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs; fp8 extraction rate
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -12,21 +13,28 @@ XB="--shape qwen3-8b --batches 24 --batch 8 --seq 2048"
 case "${1:-extract}" in
 extract)
   CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr \
-    --variants thread:1,thread:2,thread:3,process:2 2>&1 | tee "$OUT/extract_1gpu.log" | grep '^{'
+    --variants thread:2,thread:3,process:3 2>&1 | tee "$OUT/extract_1gpu.log" | grep '^{'
   if [ "$NGPU" -ge 2 ]; then  # one extraction per GPU at once: the host (RAM bandwidth, /dev/shm) is shared
     for g in 0 1; do
       CUDA_VISIBLE_DEVICES=$g timeout 200 python3 bench/extract_bench.py $XB --store /dev/shm/xb$g.zarr \
-        --variants thread:2 > "$OUT/extract_2gpu_$g.log" 2>&1 &
+        --variants thread:3 > "$OUT/extract_2gpu_$g.log" 2>&1 &
     done
     wait; grep -h '^{' "$OUT"/extract_2gpu_*.log
   fi
   ;;
-train)
+train)  # one run at a time (two at once on one host timed out), generous limits
   TB="--shape qwen3-8b --samples 24 --seq 2048 --steps 12 --warmup 3 --token-budget 4096 --workers 4 --store /dev/shm/tb.zarr"
-  timeout 150 python3 bench/train_bench.py $TB --profile 2 2>&1 | tee "$OUT/train_eager.log" | tail -45
-  timeout 200 python3 bench/train_bench.py $TB --compile 2>&1 | tee "$OUT/train_compile.log" | grep '^{'
+  timeout 240 python3 bench/train_bench.py $TB --profile 2 2>&1 | tee "$OUT/train_eager.log" | grep -A30 "Self CUDA" | cut -c1-160
+  grep -h '^{' "$OUT/train_eager.log"
+  timeout 300 python3 bench/train_bench.py $TB --compile 2>&1 | tee "$OUT/train_compile.log" | grep '^{'
   SB="--shape smollm2-135m --layers 3 --samples 256 --seq 512 --steps 20 --warmup 3 --token-budget 16384 --workers 4 --store /dev/shm/sb.zarr"
-  timeout 100 python3 bench/train_bench.py $SB 2>&1 | tee "$OUT/train_small_eager.log" | grep '^{'
-  timeout 150 python3 bench/train_bench.py $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'
+  timeout 150 python3 bench/train_bench.py $SB 2>&1 | tee "$OUT/train_small_eager.log" | grep '^{'
+  timeout 200 python3 bench/train_bench.py $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'
+  ;;
+ddp)  # x2: DDP scaling of python -m train, then the fp8 extraction rate (quantized on the GPU)
+  timeout 420 python3 bench/ddp_bench.py --shape qwen3-8b --gpus 1,2 --steps 30 --samples 96 --seq 2048 \
+    2>&1 | tee "$OUT/ddp.log" | tail -n 3
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr --dtype fp8_e4m3 \
+    --variants thread:3 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote'
   ;;
 esac

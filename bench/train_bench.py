@@ -29,9 +29,13 @@ SHAPES = {"qwen3-8b": (4096, 12288, 32, 8, 128, 151936), "qwen3-32b": (5120, 256
 
 
 def make_store(path: str, shape: str, samples: int, seq: int) -> Manifest:
-    h, _, _, _, _, v = SHAPES[shape]
+    h, inter, nh, nkv, hd, v = SHAPES[shape]
     shutil.rmtree(path, ignore_errors=True)
-    m = Manifest(target=TargetInfo(name=f"random-{shape}", sha256="-", num_layers=36, hidden_size=h, vocab_size=v),
+    # the target config lets `python -m train` (bench/ddp_bench.py) build the same drafter from the store
+    tc = {"num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "intermediate_size": inter,
+          "rope_theta": 1e6}
+    m = Manifest(target=TargetInfo(name=f"random-{shape}", sha256="-", num_layers=36, hidden_size=h, vocab_size=v,
+                                   config=tc),
                  tokenizer_sha256="-", layer_ids=(1, 9, 17, 25, 33), last_hidden=False,
                  dataset=DatasetInfo(path="-", sha256="-", num_records=samples), max_len=seq, bucket_bounds=(seq,),
                  rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)

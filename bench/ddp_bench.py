@@ -1,0 +1,71 @@
+"""DDP scaling of `python -m train`: positions/s on 1 GPU vs N GPUs, same synthetic store, same settings.
+
+    python bench/ddp_bench.py --shape qwen3-8b --gpus 1,2 --steps 30 --samples 96 --seq 2048
+
+Builds a random store once (bench/train_bench.make_store), then runs the real trainer under
+torchrun for each GPU count with the same per-rank token budget (so N GPUs train N x the positions
+per step), and reads positions/s from the run's metrics.jsonl, skipping the first log rows
+(compilation, worker start). Scaling efficiency = rate(N) / (N x rate(1)). On a CPU machine it
+runs gloo ranks on the tiny shape (a smoke run, not a figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_bench import make_store  # noqa: E402
+
+
+def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "-m", "train",
+           "--store", store, "--out", out, "--num-layers", str(a.layers), "--token-budget", str(a.token_budget),
+           "--max-steps", str(a.steps), "--epochs", "100", "--log-every", str(a.log_every), "--workers", str(a.workers),
+           *(["--compile"] if a.compile else [])]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    if gpus and os.environ.get("CUDA_VISIBLE_DEVICES") is None and a.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"{gpus} GPU run failed:\n{res.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines() if '"positions_per_s"' in x]
+    steady = rows[a.skip_rows:] or rows[-1:]
+    return sum(r["positions_per_s"] for r in steady) / len(steady)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", default="/dev/shm/draftcache_ddp_bench.zarr")
+    ap.add_argument("--out", default="/tmp/draftcache_ddp_bench")
+    ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--samples", type=int, default=96)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--gpus", default="1,2")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--skip-rows", type=int, default=2, help="first metrics rows left out (warm-up)")
+    ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--compile", action="store_true")
+    a = ap.parse_args()
+    import torch
+
+    a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    make_store(a.store, a.shape, a.samples, a.seq)
+    rates = {int(g): run(a.store, f"{a.out}/g{g}", int(g), a) for g in a.gpus.split(",")}
+    base = rates[min(rates)] / min(rates)
+    print(json.dumps({"shape": a.shape, "device": a.device, "layers": a.layers, "token_budget_per_rank": a.token_budget,
+                      "compile": a.compile, "positions_per_s": rates,
+                      "scaling_efficiency": {g: r / (g * base) for g, r in rates.items()}}))
+
+
+if __name__ == "__main__":
+    main()
