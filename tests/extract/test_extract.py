@@ -262,14 +262,15 @@ def test_gpu_big_padded_batches_store_every_sample(tmp_path, llama, writer):
             assert (got - want).norm() / want.norm() < 2e-2, (got - want).norm() / want.norm()
 
 
-def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama, chats):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama, chats, writer):
     # stage one quantizes on the device; the bits must be those the host codec makes from the
     # same bf16 states, and the error recorded for inspect must be the host's too
     from cache_format.codec import quantize_fp8
     from cache_format.inspect import inspect_store
 
     run(_cfg(tmp_path / "bf16.zarr", llama, chats))
-    run(_cfg(tmp_path / "fp8.zarr", llama, chats, dtype="fp8_e4m3", writers=2))
+    run(_cfg(tmp_path / "fp8.zarr", llama, chats, dtype="fp8_e4m3", writer=writer, writers=2))
     ref, got = content(tmp_path / "bf16.zarr"), content(tmp_path / "fp8.zarr")
     assert ref.keys() == got.keys() and verify_store(tmp_path / "fp8.zarr")["ok"]
     sq_err = sq_ref = 0.0
