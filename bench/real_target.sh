@@ -40,7 +40,7 @@ for i in 0 1; do
   d=$([ $i = 0 ] && echo bfloat16 || echo fp8_e4m3)
   CUDA_VISIBLE_DEVICES=$i timeout $TLIM python3 -m train --store /dev/shm/$d.zarr --out $W/run_$d --num-layers 3 \
     --epochs 20 --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
-    --compile $([ -d $W/run_$d/checkpoints ] && echo --resume) > $W/train_$d.log 2>&1 &
+    --val-samples 200 --val-every 100 --compile $([ -d $W/run_$d/checkpoints ] && echo --resume) > $W/train_$d.log 2>&1 &
 done
 wait; stamp trained
 for d in bfloat16 fp8_e4m3; do
