@@ -94,8 +94,9 @@ def evaluate(*, run: str, checkpoint: str = "", prompts: str = "default", limit:
         pl_tokens += pl.shape[1] - len(ids)
         base_s, spec_s = base_s + base.seconds, spec_s + spec.seconds
         base_fw, spec_fw, new_tokens = base_fw + base.target_forwards, spec_fw + spec.target_forwards, new_tokens + len(spec.tokens)
-        rows.append({"prompt": name, "new_tokens": len(spec.tokens), "tau": len(spec.tokens) / spec.target_forwards,
-                     "lossless": same})
+        rows.append({"prompt": name, "new_tokens": len(spec.tokens), "target_forwards": spec.target_forwards,
+                     "tau": len(spec.tokens) / spec.target_forwards, "lossless": same,
+                     "prompt_lookup_new_tokens": pl.shape[1] - len(ids), "prompt_lookup_target_forwards": box["n"]})
     n = len(rows)
     return {
         "tau": new_tokens / max(1, spec_fw),
@@ -111,10 +112,25 @@ def evaluate(*, run: str, checkpoint: str = "", prompts: str = "default", limit:
         "baseline_prompt_lookup_tau": pl_tokens / max(1, pl_fw),
         "baseline_prompt_lookup_speedup": (base_s / max(pl_s, 1e-9)) * (pl_tokens / max(1, new_tokens)),
         "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
+        **_by_source(rows),
         "device": str(device),
         "checkpoint": str(ck),
         "prompts": rows,
     }
+
+
+def _by_source(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """τ per prompt source ("gsm8k/3" -> "gsm8k", "file.jsonl:7" -> "file.jsonl"), token-weighted like the overall τ."""
+    acc: dict[str, list[int]] = {}
+    for r in rows:
+        name = r["prompt"]
+        a = acc.setdefault(name.rsplit(":", 1)[0] if ":" in name else name.split("/")[0], [0, 0, 0, 0])
+        a[0] += r["new_tokens"]
+        a[1] += r["target_forwards"]
+        a[2] += r["prompt_lookup_new_tokens"]
+        a[3] += r["prompt_lookup_target_forwards"]
+    return {"tau_by_source": {k: v[0] / max(1, v[1]) for k, v in acc.items()},
+            "prompt_lookup_tau_by_source": {k: v[2] / max(1, v[3]) for k, v in acc.items()}}
 
 
 def _plot(res: dict[str, Any], path: Path) -> None:
@@ -164,6 +180,9 @@ def main(as_json: bool, **kw) -> None:
                f"({res['tokens_per_s']:.1f} vs {res['baseline_tokens_per_s']:.1f} tok/s)")
     click.echo(f"prompt lookup: tau {res['baseline_prompt_lookup_tau']:.3f}, speedup "
                f"{res['baseline_prompt_lookup_speedup']:.2f}x")
+    by = ", ".join(f"{k} {v:.3f} (prompt lookup {res['prompt_lookup_tau_by_source'][k]:.3f})"
+                   for k, v in res["tau_by_source"].items())
+    click.echo(f"tau by source: {by}")
     click.echo(f"acceptance histogram {res['acceptance_histogram']}; wrote {out / 'eval.json'}, {out / 'acceptance.png'}")
 
 

@@ -77,6 +77,8 @@ def test_overfit_drafter_tau_above_one_and_lossless(trained):
     assert res["lossless"] is True and res["num_prompts"] == 6
     assert res["tau"] > 1.5, res
     assert sum(int(k) * v for k, v in res["acceptance_histogram"].items()) == res["new_tokens"]
+    assert list(res["tau_by_source"]) == [prompts] and abs(res["tau_by_source"][prompts] - res["tau"]) < 1e-9
+    assert abs(res["prompt_lookup_tau_by_source"][prompts] - res["baseline_prompt_lookup_tau"]) < 1e-9
 
 
 def test_wrong_drafter_is_still_lossless(trained, tmp_path):
@@ -118,3 +120,17 @@ def test_export_round_trip(trained, tmp_path):
     la = a.logits(a(taps, pos, ids, torch.arange(10, 14)[None], None))
     lb = b.logits(b(taps, pos, ids, torch.arange(10, 14)[None], None))
     assert torch.equal(la, lb)
+
+
+def test_tau_by_source_is_token_weighted():
+    from train.eval import _by_source
+
+    rows = [{"prompt": "gsm8k/0", "new_tokens": 30, "target_forwards": 10, "prompt_lookup_new_tokens": 30,
+             "prompt_lookup_target_forwards": 20},
+            {"prompt": "gsm8k/1", "new_tokens": 10, "target_forwards": 10, "prompt_lookup_new_tokens": 10,
+             "prompt_lookup_target_forwards": 10},
+            {"prompt": "HumanEval/0", "new_tokens": 12, "target_forwards": 12, "prompt_lookup_new_tokens": 12,
+             "prompt_lookup_target_forwards": 6}]
+    got = _by_source(rows)
+    assert got["tau_by_source"] == {"gsm8k": 2.0, "HumanEval": 1.0}  # 40/20, not the mean of 3.0 and 1.0
+    assert got["prompt_lookup_tau_by_source"] == {"gsm8k": 40 / 30, "HumanEval": 2.0}
