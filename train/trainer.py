@@ -159,7 +159,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
 
-    held = holdout_mask(reader.sample_ids, cfg.val_samples, cfg.seed) if cfg.val_samples else None
+    try:
+        held = holdout_mask(reader.sample_ids, cfg.val_samples, cfg.seed) if cfg.val_samples else None
+    except ValueError as e:
+        raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
 
     def steps_in(epoch: int) -> list[list[list[int]]]:
         ids, lens, bks = reader.sample_ids, reader.lengths(), reader.buckets()
