@@ -4,6 +4,7 @@
 #   bash bench/gpu_rates.sh extract    # 1 GPU: writer variants; then both GPUs at once (x2)
 #   bash bench/gpu_rates.sh train      # 1 GPU: eager vs --compile (+ profile), 8B and SmolLM2 shapes
 #   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs; fp8 extraction rate
+#   bash bench/gpu_rates.sh layout     # x2: extract on GPU 0 while train --follow runs on GPU 1
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -36,5 +37,9 @@ ddp)  # x2: DDP scaling of python -m train, then the fp8 extraction rate (quanti
     2>&1 | tee "$OUT/ddp.log" | tail -n 3
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr --dtype fp8_e4m3 \
     --variants thread:3 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote'
+  ;;
+layout)  # x2: the design card's layout, stage one on GPU 0 while stage two follows on GPU 1
+  timeout 560 python3 bench/layout_bench.py --shape qwen3-8b --samples 192 --words 1400 --steps 60 \
+    2>&1 | tee "$OUT/layout.log" | tail -n 2
   ;;
 esac
