@@ -63,7 +63,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     w_all = decay_weights(block_size, gamma).to(hidden.device)[slot].expand(b, q)
     keep = labels != IGNORE
     rows, lab, w, s = hidden[keep], labels[keep], w_all[keep], slot.expand(b, q)[keep]
-    tea = teacher[keep] if teacher is not None else None
+    # the store's teacher states are bf16; on CPU the drafter trains in float32 (no autocast)
+    tea = teacher[keep].to(rows.dtype) if teacher is not None else None
     if kl_weight > 0 and tea is None:
         raise ValueError("KL loss needs the stored final hidden state (extract with --last-hidden)")
     total = hidden.new_zeros((), dtype=torch.float32)

@@ -150,8 +150,10 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
 
 
-def test_held_out_samples_are_scored_and_improve(store, tmp_path):
-    train(_cfg(store, tmp_path / "v", max_steps=60, val_samples=4, val_every=20))
+@pytest.mark.parametrize("loss", ["ce", "mix"])
+def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss):
+    # mix also runs the KL path end to end: bf16 teacher states from the store, float32 on CPU
+    train(_cfg(store, tmp_path / "v", max_steps=60, val_samples=4, val_every=20, loss=loss))
     rows = _metrics(tmp_path / "v")
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val] == [20, 40, 60]
