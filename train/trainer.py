@@ -192,6 +192,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
         model.compile_layers()
     ddp = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if cfg.attention == "flex" and device.type != "cuda":
+        raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); use auto or sdpa")
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
     log = MetricsLog(cfg.out, rank == 0)
     config_record = {"train": cfg.to_dict(), "drafter": dc.to_dict(), "layer_ids": [reader.manifest.layer_ids[i] for i in tap_index],
