@@ -28,6 +28,8 @@ train)  # one run at a time (two at once on one host timed out), generous limits
   timeout 240 python3 bench/train_bench.py $TB --profile 2 2>&1 | tee "$OUT/train_eager.log" | grep -A30 "Self CUDA" | cut -c1-160
   grep -h '^{' "$OUT/train_eager.log"
   timeout 300 python3 bench/train_bench.py $TB --compile 2>&1 | tee "$OUT/train_compile.log" | grep '^{'
+  timeout 240 python3 bench/train_bench.py $TB --no-loss-recompute --loss-chunk 8192 2>&1 \
+    | tee "$OUT/train_norecompute.log" | grep '^{'
   SB="--shape smollm2-135m --layers 3 --samples 256 --seq 512 --steps 20 --warmup 3 --token-budget 16384 --workers 4 --store /dev/shm/sb.zarr"
   timeout 150 python3 bench/train_bench.py $SB 2>&1 | tee "$OUT/train_small_eager.log" | grep '^{'
   timeout 200 python3 bench/train_bench.py $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'

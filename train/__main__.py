@@ -52,6 +52,9 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--workers", default=2, show_default=True, help="DataLoader workers per rank.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True)
 @click.option("--compile", is_flag=True, help="torch.compile each drafter layer (fuses norms, RoPE, SwiGLU).")
+@click.option("--loss-chunk", default=2048, show_default=True, help="Draft positions per lm_head + loss chunk.")
+@click.option("--loss-recompute/--no-loss-recompute", default=True, show_default=True,
+              help="Recompute chunk logits in backward (less memory) or keep them (one matmul fewer).")
 @click.option("--val-samples", default=0, show_default=True,
               help="Hold out N samples; log their teacher-forced val_loss/val_acc/val_sim_tau.")
 @click.option("--val-every", default=100, show_default=True, help="Steps between held-out evaluations.")

@@ -61,6 +61,10 @@ class TrainConfig:
     """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
     compile: bool = False
     """torch.compile the drafter layers (GPU)."""
+    loss_chunk: int = 2048
+    """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
+    loss_recompute: bool = True
+    """Recompute each chunk's logits in backward (one more lm_head matmul, far less memory)."""
     val_samples: int = 0
     """Samples held out of training (a seeded choice); their teacher-forced loss, acc and sim_tau
     (fixed anchors) are logged as val_* every val_every steps, to see overfitting."""
@@ -80,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
         if self.lr <= 0 or not 0 <= self.warmup < 1 or self.clip <= 0:
             raise ValueError("lr and clip must be > 0 and warmup in [0, 1)")
+        if self.loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.val_samples < 0 or self.val_every < 1:
             raise ValueError(f"val_samples must be >= 0 and val_every >= 1, got {self.val_samples}, {self.val_every}")
         if self.val_samples and self.follow:
@@ -101,4 +107,5 @@ class TrainConfig:
 
 # Fields that may change on --resume without changing what is trained.
 RESUME_FREE = ("resume", "max_steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
+               "loss_chunk", "loss_recompute",
                "follow", "compile", "out")

@@ -50,11 +50,13 @@ def _chunk_terms(h, lm_head, labels, w, teacher, kl_weight):
 
 def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
-               chunk: int = 2048) -> LossOut:
+               chunk: int = 2048, recompute: bool = True) -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss); teacher [B, Q, H] or None.
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
-    distribution is the soft label for token p+k.
+    distribution is the soft label for token p+k. `recompute` checkpoints each chunk (its logits
+    are rebuilt in backward: one more lm_head matmul, far less memory); without it every chunk's
+    logits stay alive until backward.
     """
     b, q, h = hidden.shape
     if lm_head.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
@@ -72,7 +74,7 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     for i in range(0, len(rows), chunk):
         sl = slice(i, i + chunk)
         args = (rows[sl], lm_head, lab[sl], w[sl], tea[sl] if tea is not None else None, kl_weight)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and recompute:
             part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:
             part, hit = _chunk_terms(*args)

@@ -60,7 +60,8 @@ def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor]) -> DFlashD
 
 
 def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, gamma: float, kl_weight: float,
-                     use_flex: bool, grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
+                     use_flex: bool, grad_scale: float = 1.0, loss_chunk: int = 2048,
+                     loss_recompute: bool = True) -> dict[str, torch.Tensor]:
     """One micro-batch (already on the device): drafter forward, chunked loss, backward."""
     taps = batch["taps"]  # [b, T, K*H]
     t = taps.shape[1]
@@ -70,7 +71,8 @@ def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, 
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
         out = draft_loss(hidden, batch["labels"], core.lm_head, block_size=block_size, gamma=gamma,
-                         teacher=batch.get("teacher"), kl_weight=kl_weight)
+                         teacher=batch.get("teacher"), kl_weight=kl_weight, chunk=loss_chunk,
+                         recompute=loss_recompute)
     (out["loss"] * grad_scale).backward()
     return out
 
@@ -261,7 +263,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 with ddp.no_sync() if not sync else contextlib.nullcontext():
                     out = forward_backward(ddp, batch, block_size=cfg.block_size, gamma=gamma,
                                            kl_weight=cfg.effective_kl_weight, use_flex=use_flex,
-                                           grad_scale=1.0 / cfg.grad_accum)
+                                           grad_scale=1.0 / cfg.grad_accum, loss_chunk=cfg.loss_chunk,
+                                           loss_recompute=cfg.loss_recompute)
                 acc_sum += out["correct"]
                 cnt_sum += out["count"]
                 loss_sum += out["loss"].detach()  # device tensors: no host sync per step

@@ -98,8 +98,8 @@ def naive_loss(hidden, labels, lm_head, bs, gamma, teacher=None, klw=0.0):
     return num / den
 
 
-@pytest.mark.parametrize("klw", [0.0, 0.5, 1.0])
-def test_loss_matches_naive(klw):
+@pytest.mark.parametrize("klw,recompute", [(0.0, True), (0.5, True), (1.0, True), (0.5, False)])
+def test_loss_matches_naive(klw, recompute):
     g = torch.Generator().manual_seed(1)
     bs, v, h = 4, 50, 8
     hidden = torch.randn(2, 12, h, generator=g, requires_grad=True)
@@ -108,7 +108,8 @@ def test_loss_matches_naive(klw):
     labels[:, ::bs] = IGNORE
     labels[1, 5] = IGNORE
     teacher = torch.randn(2, 12, h, generator=g)
-    out = draft_loss(hidden, labels, lm_head, block_size=bs, gamma=7.0, teacher=teacher, kl_weight=klw, chunk=5)
+    out = draft_loss(hidden, labels, lm_head, block_size=bs, gamma=7.0, teacher=teacher, kl_weight=klw, chunk=5,
+                      recompute=recompute)
     ref = naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw)
     torch.testing.assert_close(out["loss"], ref.float(), rtol=1e-5, atol=1e-5)
     g1 = torch.autograd.grad(out["loss"], hidden)[0]
