@@ -35,8 +35,13 @@ def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"{gpus} GPU run failed:\n{res.stderr[-3000:]}")
-    rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines() if '"positions_per_s"' in x]
-    steady = rows[a.skip_rows:] or rows[-1:]
+    return steady_rate(Path(out), a.skip_rows)
+
+
+def steady_rate(run: Path, skip: int) -> float:
+    """Mean positions/s of a run's metrics rows after the first `skip` (compilation, worker start)."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"positions_per_s"' in x]
+    steady = rows[skip:] or rows[-1:]
     return sum(r["positions_per_s"] for r in steady) / len(steady)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from ddp_bench import steady_rate  # noqa: E402
 
 
 def make_target(path: Path, shape: str) -> None:
@@ -74,12 +75,6 @@ def extract_rate(log: Path) -> float:
     return summary["tokens_per_s_per_rank"][0]
 
 
-def train_rate(run: Path, skip: int) -> float:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"positions_per_s"' in x]
-    steady = rows[skip:] or rows[-1:]
-    return sum(r["positions_per_s"] for r in steady) / len(steady)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/dev/shm/draftcache_layout_bench")
@@ -112,7 +107,7 @@ def main() -> None:
     finish(pb_t, d / "Bt.log")
     finish(launch([*t, "--store", str(d / "A.zarr"), "--out", str(d / "Crun")], 1, d / "C.log"), d / "C.log")
     ax, bx = extract_rate(d / "A.log"), extract_rate(d / "Bx.log")
-    bt, ct = train_rate(d / "Brun", a.skip_rows), train_rate(d / "Crun", a.skip_rows)
+    bt, ct = steady_rate(d / "Brun", a.skip_rows), steady_rate(d / "Crun", a.skip_rows)
     print(json.dumps({"shape": a.shape, "extract_tok_s_alone": ax, "extract_tok_s_with_training": bx,
                       "extract_ratio": bx / ax, "train_pos_s_alone": ct, "train_pos_s_following": bt,
                       "train_ratio": bt / ct, "wall_s": time.time() - t0}))

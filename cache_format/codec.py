@@ -24,6 +24,7 @@ __all__ = [
     "file_checksum",
     "fp8_dequantize",
     "fp8_quantize",
+    "fp8_sq_sums",
     "quantize_fp8",
 ]
 
@@ -69,12 +70,18 @@ def fp8_dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float() * scales[..., None]).reshape(*lead, width)
 
 
+def fp8_sq_sums(x: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token [...]: squared quantization error and squared value, float64 sums over K*H."""
+    ref = x.float()
+    err = fp8_dequantize(bits, scales) - ref
+    return (err * err).sum(-1, dtype=torch.float64), (ref * ref).sum(-1, dtype=torch.float64)
+
+
 def quantize_fp8(x: torch.Tensor, num_layers: int) -> Fp8Rows:
     """x [T, K*H] on the host -> Fp8Rows (with the squared error it introduced)."""
     bits, scales = fp8_quantize(x, num_layers)
-    ref = x.float()
-    err = fp8_dequantize(bits, scales) - ref
-    return Fp8Rows(bits, scales, float((err * err).sum()), float((ref * ref).sum()))
+    err, ref = fp8_sq_sums(x, bits, scales)
+    return Fp8Rows(bits, scales, float(err.sum()), float(ref.sum()))
 
 
 def dequantize_fp8(bits: np.ndarray, scales: np.ndarray) -> torch.Tensor:

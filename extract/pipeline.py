@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache_format import ShardWriter
-from cache_format.codec import fp8_dequantize, fp8_quantize
+from cache_format.codec import fp8_quantize, fp8_sq_sums
 from cache_format.target import capture, decoder_parts
 from extract.data import Rendered
 from extract.ring import HostRing
@@ -156,11 +156,10 @@ def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tenso
     fields = {"hidden": hid}
     if fp8_layers:
         bits, scales = fp8_quantize(hid, fp8_layers)  # [B, T, K*H] uint8, [B, T, K] float32
-        ref = hid.float()
-        err = fp8_dequantize(bits, scales) - ref
+        err, ref = fp8_sq_sums(hid, bits, scales)  # [B, T] each
         real = att.double()  # [B, T]
-        small[:, 1] = ((err * err).sum(-1, dtype=torch.float64) * real).sum(-1)
-        small[:, 2] = ((ref * ref).sum(-1, dtype=torch.float64) * real).sum(-1)
+        small[:, 1] = (err * real).sum(-1)
+        small[:, 2] = (ref * real).sum(-1)
         fields = {"hidden": bits, "scales": scales}
     if last is not None:
         fields["last"] = last

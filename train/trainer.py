@@ -21,7 +21,7 @@ from cache_format import StoreReader
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
 from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout
-from train.losses import acceptance_from_acc, default_gamma, draft_loss
+from train.losses import LossOut, acceptance_from_acc, default_gamma, draft_loss
 from train.masks import dense_mask, flex_block_mask
 from train.metrics import MetricsLog, plot_metrics
 from train.model import DFlashDrafter, DrafterConfig
@@ -59,10 +59,9 @@ def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor]) -> DFlashD
     return DFlashDrafter(dc, emb, head)
 
 
-def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, gamma: float, kl_weight: float,
-                     use_flex: bool, grad_scale: float = 1.0, loss_chunk: int = 2048,
-                     loss_recompute: bool = True) -> dict[str, torch.Tensor]:
-    """One micro-batch (already on the device): drafter forward, chunked loss, backward."""
+def forward_loss(model, batch: dict[str, torch.Tensor], *, block_size: int, gamma: float, kl_weight: float,
+                 use_flex: bool, loss_chunk: int = 2048, loss_recompute: bool = True) -> LossOut:
+    """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU)."""
     taps = batch["taps"]  # [b, T, K*H]
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
@@ -70,9 +69,17 @@ def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, 
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
-        out = draft_loss(hidden, batch["labels"], core.lm_head, block_size=block_size, gamma=gamma,
-                         teacher=batch.get("teacher"), kl_weight=kl_weight, chunk=loss_chunk,
-                         recompute=loss_recompute)
+        return draft_loss(hidden, batch["labels"], core.lm_head, block_size=block_size, gamma=gamma,
+                          teacher=batch.get("teacher"), kl_weight=kl_weight, chunk=loss_chunk,
+                          recompute=loss_recompute)
+
+
+def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, gamma: float, kl_weight: float,
+                     use_flex: bool, grad_scale: float = 1.0, loss_chunk: int = 2048,
+                     loss_recompute: bool = True) -> LossOut:
+    """forward_loss, then backward of loss x grad_scale."""
+    out = forward_loss(model, batch, block_size=block_size, gamma=gamma, kl_weight=kl_weight, use_flex=use_flex,
+                       loss_chunk=loss_chunk, loss_recompute=loss_recompute)
     (out["loss"] * grad_scale).backward()
     return out
 
@@ -87,13 +94,7 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     tot = torch.zeros(2, device=device)  # weighted loss sum, weight sum
     for i in range(len(ds)):
         batch = {k: v.to(device) for k, v in ds[i].items()}
-        t = batch["taps"].shape[1]
-        ctx_pos = torch.arange(t, device=device)[None].expand(batch["taps"].shape[0], t)
-        mask = (flex_block_mask if use_flex else dense_mask)(batch["anchors"], t, block_size)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            hidden = model(batch["taps"], ctx_pos, batch["block_ids"], batch["block_pos"], mask)
-            out = draft_loss(hidden, batch["labels"], model.lm_head, block_size=block_size, gamma=gamma,
-                             teacher=batch.get("teacher"), kl_weight=kl_weight)
+        out = forward_loss(model, batch, block_size=block_size, gamma=gamma, kl_weight=kl_weight, use_flex=use_flex)
         acc += out["correct"]
         cnt += out["count"]
         tot += torch.stack([out["loss"].float() * out["weight_sum"], out["weight_sum"]])
