@@ -14,7 +14,7 @@ XB="--shape qwen3-8b --batches 24 --batch 8 --seq 2048"
 case "${1:-extract}" in
 extract)
   CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr \
-    --variants thread:2,thread:3,process:3 2>&1 | tee "$OUT/extract_1gpu.log" | grep '^{'
+    --variants thread:3,thread:4,process:3 2>&1 | tee "$OUT/extract_1gpu.log" | grep '^{'
   if [ "$NGPU" -ge 2 ]; then  # one extraction per GPU at once: the host (RAM bandwidth, /dev/shm) is shared
     for g in 0 1; do
       CUDA_VISIBLE_DEVICES=$g timeout 200 python3 bench/extract_bench.py $XB --store /dev/shm/xb$g.zarr \
