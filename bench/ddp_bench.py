@@ -29,13 +29,20 @@ def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:
            "--store", store, "--out", out, "--num-layers", str(a.layers), "--token-budget", str(a.token_budget),
            "--max-steps", str(a.steps), "--epochs", "100", "--log-every", str(a.log_every), "--workers", str(a.workers),
            *(["--compile"] if a.compile else [])]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = child_env()
     if gpus and os.environ.get("CUDA_VISIBLE_DEVICES") is None and a.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode:
         raise SystemExit(f"{gpus} GPU run failed:\n{res.stderr[-3000:]}")
     return steady_rate(Path(out), a.skip_rows)
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a child run: the project first on PYTHONPATH, the caller's path kept after it
+    (on the GPU host the carried wheels live there)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **extra)
 
 
 def steady_rate(run: Path, skip: int) -> float:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from ddp_bench import steady_rate  # noqa: E402
+from ddp_bench import child_env, steady_rate  # noqa: E402
 
 
 def make_target(path: Path, shape: str) -> None:
@@ -59,7 +58,7 @@ def make_data(path: Path, samples: int, words: int) -> None:
 
 
 def launch(args: list[str], gpu: int, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES=str(gpu))
+    env = child_env(CUDA_VISIBLE_DEVICES=str(gpu))
     return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
 
