@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +33,20 @@ def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:
     env = child_env()
     if gpus and os.environ.get("CUDA_VISIBLE_DEVICES") is None and a.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if res.returncode:
-        raise SystemExit(f"{gpus} GPU run failed:\n{res.stderr[-3000:]}")
+    Path(out).mkdir(parents=True)
+    log = Path(out) / "run.log"
+    # own session, so a time limit can stop torchrun and its ranks together (they hold the GPUs)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=a.time_limit or None)
+        except subprocess.TimeoutExpired:  # the rate comes from the rows logged so far
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 0
+            print(f"{gpus} GPU run stopped at the {a.time_limit:.0f} s limit", file=sys.stderr)
+    if rc:
+        raise SystemExit(f"{gpus} GPU run failed (exit {rc}):\n{log.read_text()[-3000:]}")
     return steady_rate(Path(out), a.skip_rows)
 
 
@@ -47,7 +59,10 @@ def child_env(**extra: str) -> dict:
 
 def steady_rate(run: Path, skip: int) -> float:
     """Mean positions/s of a run's metrics rows after the first `skip` (compilation, worker start)."""
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"positions_per_s"' in x]
+    path = run / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if '"positions_per_s"' in x] if path.exists() else []
+    if not rows:
+        raise SystemExit(f"{run}: no metrics rows logged (see {run / 'run.log'})")
     steady = rows[skip:] or rows[-1:]
     return sum(r["positions_per_s"] for r in steady) / len(steady)
 
@@ -67,6 +82,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--time-limit", type=float, default=0.0,
+                    help="stop each run after this many seconds and rate the rows logged by then (0: no limit)")
     a = ap.parse_args()
     import torch
 

@@ -80,7 +80,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
     ap.add_argument("--compile", action="store_true", help="torch.compile each drafter layer (as --compile in train)")
     ap.add_argument("--loss-chunk", type=int, default=2048)
-    ap.add_argument("--no-loss-recompute", action="store_true", help="keep chunk logits for backward")
+    ap.add_argument("--loss-backward", default="fused", choices=["fused", "recompute", "keep"],
+                    help="as --loss-backward in train")
     ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -110,7 +111,7 @@ def main() -> None:
     def step(batch):
         opt.zero_grad(set_to_none=True)
         out = forward_backward(model, batch, block_size=16, gamma=7.0, kl_weight=0.0, use_flex=use_flex,
-                               loss_chunk=a.loss_chunk, loss_recompute=not a.no_loss_recompute)
+                               loss_chunk=a.loss_chunk, loss_backward=a.loss_backward)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         return out
@@ -155,7 +156,7 @@ def main() -> None:
     t_store = time.perf_counter() - t0
     print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                       "layers": a.layers, "compile": a.compile, "loss_chunk": a.loss_chunk,
-                      "loss_recompute": not a.no_loss_recompute, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
+                      "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
                       "ratio": t_mem / t_store, "data_wait_frac": wait / t_store,
                       "tflops_memory": flops / t_mem / 1e12, "mfu_memory": flops / t_mem / 1e12 / a.peak_tflops,

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from train.config import TrainConfig
+from train.config import LOSS_BACKWARDS, TrainConfig
 
 
 def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
@@ -53,8 +53,9 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True)
 @click.option("--compile", is_flag=True, help="torch.compile each drafter layer (fuses norms, RoPE, SwiGLU).")
 @click.option("--loss-chunk", default=2048, show_default=True, help="Draft positions per lm_head + loss chunk.")
-@click.option("--loss-recompute/--no-loss-recompute", default=True, show_default=True,
-              help="Recompute chunk logits in backward (less memory) or keep them (one matmul fewer).")
+@click.option("--loss-backward", type=click.Choice(LOSS_BACKWARDS), default="fused", show_default=True,
+              help="lm_head chunk gradients: formed in the forward pass (fused), rebuilt in backward "
+              "(recompute: one more matmul), or from logits kept alive (keep: most memory).")
 @click.option("--val-samples", default=0, show_default=True,
               help="Hold out N samples; log their teacher-forced val_loss/val_acc/val_sim_tau.")
 @click.option("--val-every", default=100, show_default=True, help="Steps between held-out evaluations.")

@@ -9,6 +9,9 @@ from typing import Any
 __all__ = ["TrainConfig"]
 
 
+# How the chunked lm_head + loss makes its gradients (train.losses.draft_loss).
+LOSS_BACKWARDS = ("fused", "recompute", "keep")
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     store: str
@@ -63,8 +66,10 @@ class TrainConfig:
     """torch.compile the drafter layers (GPU)."""
     loss_chunk: int = 2048
     """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
-    loss_recompute: bool = True
-    """Recompute each chunk's logits in backward (one more lm_head matmul, far less memory)."""
+    loss_backward: str = "fused"
+    """How the lm_head chunks get their gradients: fused (formed in the forward pass; no logits kept,
+    no extra matmul), recompute (checkpointed: logits rebuilt in backward, one more lm_head matmul),
+    keep (every chunk's logits stay alive until backward)."""
     val_samples: int = 0
     """Samples held out of training (a seeded choice); their teacher-forced loss, acc and sim_tau
     (fixed anchors) are logged as val_* every val_every steps, to see overfitting."""
@@ -92,6 +97,8 @@ class TrainConfig:
             raise ValueError("val_samples needs the whole store to choose from: not with follow")
         if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
             raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
+        if self.loss_backward not in LOSS_BACKWARDS:
+            raise ValueError(f"loss_backward must be one of {LOSS_BACKWARDS}, got {self.loss_backward!r}")
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention must be auto, flex or sdpa, got {self.attention!r}")
 
@@ -107,5 +114,5 @@ class TrainConfig:
 
 # Fields that may change on --resume without changing what is trained.
 RESUME_FREE = ("resume", "max_steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
-               "loss_chunk", "loss_recompute",
+               "loss_chunk", "loss_backward",
                "follow", "compile", "out")

@@ -2,7 +2,8 @@
 
 Slot k >= 1 of a block has weight exp(-(k-1)/gamma) (DFlash Eq. 4; gamma = 7 for block 16); the
 loss is sum(w * loss) / sum(w) over supervised slots. Logits for all draft positions never exist
-at once: rows go through lm_head in chunks under activation checkpointing.
+at once: rows go through lm_head in chunks, and by default each chunk's gradient is formed in the
+forward pass so backward needs neither its logits nor a second lm_head matmul.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from train.anchors import IGNORE
+from train.config import LOSS_BACKWARDS
 
-__all__ = ["LossOut", "acceptance_from_acc", "decay_weights", "draft_loss"]
+__all__ = ["LOSS_BACKWARDS", "LossOut", "acceptance_from_acc", "decay_weights", "draft_loss"]
 
 
 def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -37,27 +39,69 @@ class LossOut(dict):
     """loss (scalar, differentiable), weight_sum, correct[B], count[B] (per block slot)."""
 
 
-def _chunk_terms(h, lm_head, labels, w, teacher, kl_weight):
-    logits = (h @ lm_head.T).float()  # [c, V]
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    loss = ce * (1 - kl_weight) if kl_weight < 1 else torch.zeros_like(ce)
+def _chunk_parts(h, lm_head, labels, teacher, kl_weight):
+    """Per-row loss [c], student log-probs [c, V], teacher probs [c, V] (or None), argmax hits [c]."""
+    logp = F.log_softmax((h @ lm_head.T).float(), dim=-1)  # [c, V]
+    loss = -logp.gather(1, labels[:, None])[:, 0] * (1 - kl_weight)
+    t_p = None
     if kl_weight > 0:
         t_logp = F.log_softmax((teacher @ lm_head.T).float(), dim=-1)
-        kl = (t_logp.exp() * (t_logp - F.log_softmax(logits, dim=-1))).sum(-1)
-        loss = loss + kl_weight * kl
-    return (loss * w).sum(), (logits.argmax(-1) == labels)
+        t_p = t_logp.exp()
+        loss = loss + kl_weight * (t_p * (t_logp - logp)).sum(-1)
+    return loss, logp, t_p, logp.argmax(-1) == labels
+
+
+def _chunk_terms(h, lm_head, labels, w, teacher, kl_weight):
+    loss, _, _, hit = _chunk_parts(h, lm_head, labels, teacher, kl_weight)
+    return (loss * w).sum(), hit
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """Chunked lm_head + loss whose backward needs no logits. The lm_head is frozen, so the only
+    gradient is the one with respect to the rows; each chunk forms it in the forward pass, right after
+    its softmax (d loss / d logits = w * (p - (1 - kl) onehot - kl p_teacher)), and keeps only that
+    [c, H] result. Same FLOPs as keeping the logits, memory of one chunk, no recomputed matmul."""
+
+    @staticmethod
+    def forward(ctx, rows, lm_head, labels, w, teacher, kl_weight, chunk):
+        total = rows.new_zeros((), dtype=torch.float32)
+        grads, hits = [], []
+        for i in range(0, len(rows), chunk):
+            sl = slice(i, i + chunk)
+            loss, logp, t_p, hit = _chunk_parts(rows[sl], lm_head, labels[sl], teacher[sl] if teacher is not None
+                                                else None, kl_weight)
+            total = total + (loss * w[sl]).sum()
+            d = logp.exp_()  # [c, V] softmax, in place of the log-probs (no longer needed)
+            if t_p is not None:
+                d.sub_(t_p, alpha=kl_weight)
+            d[torch.arange(len(d), device=d.device), labels[sl]] -= 1 - kl_weight
+            d.mul_(w[sl, None])
+            grads.append((d.to(lm_head.dtype) @ lm_head).to(rows.dtype))  # [c, H]
+            hits.append(hit)
+        ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(rows))
+        hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=rows.device)
+        ctx.mark_non_differentiable(hit)
+        return total, hit
+
+    @staticmethod
+    def backward(ctx, g_total, g_hit):
+        (grad,) = ctx.saved_tensors
+        return grad * g_total.to(grad.dtype), None, None, None, None, None, None
 
 
 def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
-               chunk: int = 2048, recompute: bool = True) -> LossOut:
+               chunk: int = 2048, backward: str = "fused") -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss); teacher [B, Q, H] or None.
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
-    distribution is the soft label for token p+k. `recompute` checkpoints each chunk (its logits
-    are rebuilt in backward: one more lm_head matmul, far less memory); without it every chunk's
-    logits stay alive until backward.
+    distribution is the soft label for token p+k. `backward` picks how the chunks' gradients are
+    made: "fused" forms each chunk's row gradient in the forward pass (no logits kept, no extra
+    matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more lm_head
+    matmul), "keep" leaves every chunk's logits alive until backward (most memory).
     """
+    if backward not in LOSS_BACKWARDS:
+        raise ValueError(f"backward must be one of {LOSS_BACKWARDS}, got {backward!r}")
     b, q, h = hidden.shape
     if lm_head.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
         lm_head = lm_head.to(hidden.dtype)  # CPU float32 training over a bf16 store
@@ -69,18 +113,20 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     tea = teacher[keep].to(rows.dtype) if teacher is not None else None
     if kl_weight > 0 and tea is None:
         raise ValueError("KL loss needs the stored final hidden state (extract with --last-hidden)")
-    total = hidden.new_zeros((), dtype=torch.float32)
-    hits = []
-    for i in range(0, len(rows), chunk):
-        sl = slice(i, i + chunk)
-        args = (rows[sl], lm_head, lab[sl], w[sl], tea[sl] if tea is not None else None, kl_weight)
-        if torch.is_grad_enabled() and recompute:
-            part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False)
-        else:
-            part, hit = _chunk_terms(*args)
-        total = total + part
-        hits.append(hit)
-    hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    grad = torch.is_grad_enabled() and rows.requires_grad
+    if grad and backward == "fused":
+        total, hit = _FusedHeadLoss.apply(rows, lm_head, lab, w, tea if kl_weight > 0 else None, kl_weight, chunk)
+    else:
+        total = hidden.new_zeros((), dtype=torch.float32)
+        hits = []
+        for i in range(0, len(rows), chunk):
+            sl = slice(i, i + chunk)
+            args = (rows[sl], lm_head, lab[sl], w[sl], tea[sl] if tea is not None else None, kl_weight)
+            part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False) if grad and backward == "recompute" \
+                else _chunk_terms(*args)
+            total = total + part
+            hits.append(hit)
+        hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
     wsum = w.sum()
     correct = torch.zeros(block_size, device=hidden.device).index_add_(0, s, hit.float())
     count = torch.zeros(block_size, device=hidden.device).index_add_(0, s, torch.ones_like(hit, dtype=torch.float32))

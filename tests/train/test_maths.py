@@ -98,8 +98,9 @@ def naive_loss(hidden, labels, lm_head, bs, gamma, teacher=None, klw=0.0):
     return num / den
 
 
-@pytest.mark.parametrize("klw,recompute", [(0.0, True), (0.5, True), (1.0, True), (0.5, False)])
-def test_loss_matches_naive(klw, recompute):
+@pytest.mark.parametrize("klw", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("backward", ["fused", "recompute", "keep"])
+def test_loss_matches_naive(klw, backward):
     g = torch.Generator().manual_seed(1)
     bs, v, h = 4, 50, 8
     hidden = torch.randn(2, 12, h, generator=g, requires_grad=True)
@@ -109,13 +110,53 @@ def test_loss_matches_naive(klw, recompute):
     labels[1, 5] = IGNORE
     teacher = torch.randn(2, 12, h, generator=g)
     out = draft_loss(hidden, labels, lm_head, block_size=bs, gamma=7.0, teacher=teacher, kl_weight=klw, chunk=5,
-                      recompute=recompute)
+                      backward=backward)
     ref = naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw)
     torch.testing.assert_close(out["loss"], ref.float(), rtol=1e-5, atol=1e-5)
     g1 = torch.autograd.grad(out["loss"], hidden)[0]
     g2 = torch.autograd.grad(naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw), hidden)[0]
     torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
     assert out["count"][0] == 0 and out["count"].sum() == (labels != IGNORE).sum()
+
+
+def _saved_bytes(backward: str, n: int = 64, v: int = 4000, h: int = 16) -> int:
+    """Bytes autograd keeps between forward and backward of draft_loss (what a chunk leaves alive)."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(1, n, h, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (1, n), generator=g)
+    kept = []
+
+    def pack(t):
+        kept.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = draft_loss(hidden, labels, torch.randn(v, h, generator=g), block_size=4, gamma=7.0, chunk=16,
+                         backward=backward)
+    out["loss"].backward()
+    return sum(kept)
+
+
+def test_fused_loss_keeps_no_logits():
+    """keep holds every chunk's [c, V] logits for backward; fused holds one [n, H] gradient."""
+    n, v, h = 64, 4000, 16
+    assert _saved_bytes("keep") >= n * v * 4
+    assert _saved_bytes("fused") <= 4 * n * h * 4
+
+
+def test_fused_loss_bf16_matches_keep():
+    """bf16 rows (as under autocast): the fused gradient equals autograd's through the kept logits."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 16, 32, generator=g).bfloat16().requires_grad_()
+    lm_head = (torch.randn(300, 32, generator=g) * 0.3).bfloat16()
+    labels = torch.randint(0, 300, (2, 16), generator=g)
+    teacher = torch.randn(2, 16, 32, generator=g).bfloat16()
+    grads = []
+    for backward in ("fused", "keep"):
+        out = draft_loss(hidden, labels, lm_head, block_size=4, gamma=7.0, teacher=teacher, kl_weight=0.3, chunk=7,
+                         backward=backward)
+        grads.append(torch.autograd.grad(out["loss"], hidden)[0].float())
+    torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
 
 
 def test_decay_and_acceptance():
