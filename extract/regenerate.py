@@ -7,6 +7,15 @@ already in OUT are kept and their (prompt, sample) pairs skipped; each batch is 
 
     python -m extract.regenerate --out data/regen.jsonl --limit 64 --max-new-tokens 96
     python -m extract.regenerate --out data/regen.jsonl --num-samples 4 --temperature 0.8   # GPU
+
+With --invent N the target writes the prompts too (Magpie, Xu et al. 2024: an instruction-tuned
+model given only its chat template's text before a user message writes a plausible user message);
+--invent-prefix starts every invented message with given words to steer the domain. The output is
+user-only conversations, to be answered by a second run with --prompts:
+
+    python -m extract.regenerate --out data/code_prompts.jsonl --invent 2000 --temperature 1.0 \
+        --invent-prefix "Write a Python function" --max-new-tokens 96
+    python -m extract.regenerate --out data/code.jsonl --prompts data/code_prompts.jsonl
 """
 
 from __future__ import annotations
@@ -23,8 +32,11 @@ __all__ = ["regenerate"]
 
 def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: int = 0, num_samples: int = 1,
                temperature: float = 0.0, max_new_tokens: int = 256, batch_size: int = 16, seed: int = 0,
-               shard: tuple[int, int] = (0, 1)) -> int:
+               shard: tuple[int, int] = (0, 1), invent: int = 0, invent_prefix: str = "") -> int:
     """Append generated conversations to `out`; returns how many were written now.
+
+    invent > 0: write `invent` user messages made up by the target (see the module doc) instead of
+    answering prompts; needs temperature > 0 (greedy would write one message `invent` times).
 
     shard (i, n) generates only batches i, i+n, ... (one process per GPU, each with its own `out`);
     batches are seeded by their global index, so the shards together hold what one run would.
@@ -35,13 +47,17 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
     from cache_format.prompts import train_prompts
     from cache_format.target import load_target
 
-    if prompts == "default":
+    if invent and temperature <= 0:
+        raise ValueError("--invent needs --temperature > 0 (greedy decoding would invent one message)")
+    if invent:
+        convs, num_samples = [], 1
+    elif prompts == "default":
         convs = train_prompts()
-    else:
-        convs = [[m for m in msgs if m["role"] != "assistant"] or msgs
-                 for _, msgs in read_conversations(prompts, skip_bad=False)]
+    else:  # a prompt file has user turns only; any assistant turns are dropped and regenerated
+        convs = [[m for m in msgs if m["role"] != "assistant"]
+                 for _, msgs in read_conversations(prompts, skip_bad=False, require_assistant=False)]
     convs = convs[:limit] if limit else convs
-    jobs = [(i, k) for i in range(len(convs)) for k in range(num_samples)]
+    jobs = [(i, k) for i in range(invent or len(convs)) for k in range(num_samples)]
     done = set()
     if Path(out).exists():
         _drop_torn_tail(Path(out))
@@ -58,6 +74,7 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    opening = pre_query_text(tok) + invent_prefix if invent else ""
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     written = 0
     with open(out, "a", encoding="utf-8") as f:
@@ -65,7 +82,8 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
             batch = jobs[b: b + batch_size]
             if all(j in done for j in batch):
                 continue  # a partly written batch is generated whole (same padding, same RNG draws)
-            texts = [tok.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True) for i, _ in batch]
+            texts = [opening if invent else tok.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True)
+                     for i, _ in batch]
             enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + b)
             kw = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature > 0 else dict(do_sample=False)
@@ -75,13 +93,30 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
             for (i, k), row in zip(batch, ids[:, enc["input_ids"].shape[1]:]):
                 if (i, k) in done:
                     continue
-                reply = tok.decode(row, skip_special_tokens=True).strip()
-                rec = {"messages": convs[i] + [{"role": "assistant", "content": reply}], "prompt_index": i, "sample": k}
+                reply = tok.decode(row, skip_special_tokens=True)
+                if invent:  # the prefix was the opening's end: the generated text continues it
+                    message = (invent_prefix + reply).strip() if reply.strip() else ""
+                    if not message:
+                        continue  # an empty message is no prompt
+                    rec = {"messages": [{"role": "user", "content": message}], "prompt_index": i, "sample": k}
+                else:
+                    rec = {"messages": convs[i] + [{"role": "assistant", "content": reply.strip()}], "prompt_index": i,
+                           "sample": k}
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 written += 1
             f.flush()
             os.fsync(f.fileno())
     return written
+
+
+def pre_query_text(tok) -> str:
+    """The chat template's text before a user message's content (system turn and user header):
+    what the target sees just before a user writes."""
+    marker = "\x00user message\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    if marker not in text:
+        raise ValueError("the target's chat template does not place the user message in its text; cannot --invent")
+    return text[: text.index(marker)]
 
 
 def _drop_torn_tail(path: Path) -> None:
@@ -103,6 +138,8 @@ def _drop_torn_tail(path: Path) -> None:
 @click.option("--batch-size", default=16)
 @click.option("--seed", default=0)
 @click.option("--shard", default="0/1", help="i/n: generate only every n-th batch from batch i (one process per GPU).")
+@click.option("--invent", default=0, help="Write N user prompts made up by the target instead of answering prompts.")
+@click.option("--invent-prefix", default="", help="Words every invented prompt starts with (steers the domain).")
 def main(shard: str, **kw) -> None:
     """Generate target responses for prompts into a training JSONL."""
     try:

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import json
 
-from extract.regenerate import regenerate
+import pytest
+
+from extract.regenerate import pre_query_text, regenerate
 from tests.helpers import tiny_target_dir, write_chats
 
 
@@ -34,3 +36,47 @@ def test_shards_and_resume_reproduce_one_run(tmp_path):
     assert regenerate(out=str(tmp_path / "cut.jsonl"), **kw) == 6
     assert _records(tmp_path / "cut.jsonl") == one
 
+
+
+def _prompts(path) -> dict[int, str]:
+    out = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            assert [m["role"] for m in r["messages"]] == ["user"] and r["sample"] == 0
+            out[r["prompt_index"]] = r["messages"][0]["content"]
+    return out
+
+
+def test_invented_prompts_shard_resume_and_answer(tmp_path):
+    """--invent: the target writes user messages (starting with the prefix), sharded and resumable
+    like responses; a second run answers the user-only file."""
+    target = tiny_target_dir(tmp_path / "t", "llama")
+    kw = dict(target=target, invent=7, invent_prefix="Write a Python function", temperature=1.0, max_new_tokens=8,
+              batch_size=3, seed=2)
+    n = regenerate(out=str(tmp_path / "one.jsonl"), **kw)
+    one = _prompts(tmp_path / "one.jsonl")
+    assert 0 < n == len(one) <= 7 and all(p.startswith("Write a Python function") for p in one.values())
+    assert len(set(one.values())) > 1
+    for i in range(2):
+        regenerate(out=str(tmp_path / f"s{i}.jsonl"), shard=(i, 2), **kw)
+    a, b = _prompts(tmp_path / "s0.jsonl"), _prompts(tmp_path / "s1.jsonl")
+    assert not a.keys() & b.keys() and {**a, **b} == one
+    assert regenerate(out=str(tmp_path / "one.jsonl"), **kw) == 0  # resumed: nothing new
+    answered = regenerate(out=str(tmp_path / "ans.jsonl"), target=target, prompts=str(tmp_path / "one.jsonl"),
+                          max_new_tokens=4, batch_size=4)
+    assert answered == len(one) and len(_records(tmp_path / "ans.jsonl")) == len(one)
+
+
+def test_invent_refuses_greedy(tmp_path):
+    with pytest.raises(ValueError, match="temperature"):
+        regenerate(out=str(tmp_path / "x.jsonl"), target=tiny_target_dir(tmp_path / "t", "llama"), invent=2)
+
+
+def test_pre_query_text_is_the_template_before_the_user_message(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir(tmp_path / "t", "llama"))
+    head = pre_query_text(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False)
+    assert full.startswith(head) and full[len(head):].startswith("hello there") and "hello" not in head
