@@ -2,8 +2,10 @@
 # Issue 6 items 1 and 4: the packaged SmolLM2 target end to end on two H200s (nvidia-h200-x2).
 #   data (committed, or REGEN=1 to regenerate, one process per GPU) -> extract stores (2 ranks) ->
 #   train two drafters at once, one per GPU (RUN0 on GPU 0, RUN1 on GPU 1) -> evaluate both at once.
-# A run is "name:store-dtype:extra train args". Defaults: cross-entropy vs the CE/KL mix, both from
-# the bf16 store (the fp8-vs-bf16 comparison was made on 2026-11-29: -0.5%; DTYPES adds fp8 back).
+# A store is "name:dtype:data" (data: base = the regenerated packaged prompts; base+code adds the
+# target-invented code conversations, docs/results/invented-code/code.jsonl.gz); a run is
+# "name:store:extra train args". Defaults: the same CE drafter trained without and with the code data.
+# CODE_N=2000 invents and answers fresh code prompts on the GPUs instead of using the committed ones.
 # Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
 # STAGE=train reruns only training, resuming, and evaluation while the machine is still warm).
@@ -11,8 +13,10 @@ set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}; W=/root/w; mkdir -p "$OUT" $W
 G=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
-STEPS=${STEPS:-900}; TLIM=${TLIM:-330}; DTYPES=${DTYPES:-bfloat16}
-RUN0=${RUN0:-ce:bfloat16:--loss ce}; RUN1=${RUN1:-mix:bfloat16:--loss mix}
+STEPS=${STEPS:-900}; TLIM=${TLIM:-330}
+STORES=${STORES:-base:bfloat16:base code:bfloat16:base+code}
+RUN0=${RUN0:-base:base:--loss ce}; RUN1=${RUN1:-code:code:--loss ce}
+CODE=docs/results/invented-code/code.jsonl.gz
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [ "${STAGE:-all}" = all ]; then
 regen() {  # args: name, extra regenerate options; one shard per GPU
@@ -28,28 +32,34 @@ if [ "${REGEN:-0}" = 1 ] || [ ! -f $DATA ]; then
   regen sampled --num-samples 4 --temperature 0.8
   regen greedy --num-samples 1 --temperature 0
   cat $W/sampled.0.jsonl $W/sampled.1.jsonl $W/greedy.0.jsonl $W/greedy.1.jsonl > $W/regen.jsonl
-  gzip -c $W/regen.jsonl > "$OUT/regen.jsonl.gz"
-else
-  gunzip -c $DATA > $W/regen.jsonl
+  gzip -c $W/regen.jsonl > "$OUT/regen.jsonl.gz"; DATA="$OUT/regen.jsonl.gz"
 fi
-wc -l $W/regen.jsonl; stamp data ready
-for d in $DTYPES; do
-  torchrun --standalone --nproc-per-node 2 -m extract --store /dev/shm/$d.zarr --target "$G" --data $W/regen.jsonl \
-    --max-len 1024 --token-budget 65536 --dtype $d --json 2>&1 | grep -v "tok/s]" | tee "$OUT/extract_$d.json" | tail -n 32
-  stamp extracted $d
+if [ "${CODE_N:-0}" -gt 0 ]; then  # invent CODE_N code prompts on the GPUs, answer them greedily
+  regen codeq --invent "$CODE_N" --temperature 1.0 --invent-prefix "Write a Python function" --max-new-tokens 128
+  cat $W/codeq.0.jsonl $W/codeq.1.jsonl > $W/code_prompts.jsonl
+  regen codea --prompts $W/code_prompts.jsonl --temperature 0
+  cat $W/codea.0.jsonl $W/codea.1.jsonl | gzip > "$OUT/code.jsonl.gz"; CODE="$OUT/code.jsonl.gz"
+fi
+gunzip -c $DATA > $W/base.jsonl; { cat $W/base.jsonl; gunzip -c $CODE; } > $W/base+code.jsonl
+wc -l $W/*.jsonl; stamp data ready
+for st in $STORES; do
+  IFS=: read -r name d data <<< "$st"
+  torchrun --standalone --nproc-per-node 2 -m extract --store /dev/shm/$name.zarr --target "$G" --data $W/$data.jsonl \
+    --max-len 1024 --token-budget 65536 --dtype $d --json 2>&1 | grep -v "tok/s]" | tee "$OUT/extract_$name.json" | tail -n 32
+  stamp extracted $name
 done
 fi
 runs=("$RUN0" "$RUN1")
 for i in 0 1; do
-  IFS=: read -r name d extra <<< "${runs[$i]}"
-  CUDA_VISIBLE_DEVICES=$i timeout $TLIM python3 -m train --store /dev/shm/$d.zarr --out $W/run_$name --num-layers 3 \
+  IFS=: read -r name store extra <<< "${runs[$i]}"
+  CUDA_VISIBLE_DEVICES=$i timeout $TLIM python3 -m train --store /dev/shm/$store.zarr --out $W/run_$name --num-layers 3 \
     --epochs 20 --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
     --val-samples 200 --val-every 100 --compile $extra $([ -d $W/run_$name/checkpoints ] && echo --resume) \
     > $W/train_$name.log 2>&1 &
 done
 wait; stamp trained
 for i in 0 1; do
-  IFS=: read -r name d extra <<< "${runs[$i]}"
+  IFS=: read -r name store extra <<< "${runs[$i]}"
   mkdir -p "$OUT/$name"; cp $W/run_$name/metrics.jsonl $W/run_$name/*.png "$OUT/$name/" 2>/dev/null
   grep -v "step/s]" $W/train_$name.log | tail -n 4; grep val_loss $W/run_$name/metrics.jsonl | tail -n 1 | cut -c1-300
   CUDA_VISIBLE_DEVICES=$i python3 -m train.eval --run $W/run_$name --limit 16 --max-new-tokens 96 --json \
@@ -57,6 +67,6 @@ for i in 0 1; do
 done
 wait; stamp evaluated
 for i in 0 1; do
-  IFS=: read -r name d extra <<< "${runs[$i]}"
+  IFS=: read -r name store extra <<< "${runs[$i]}"
   tail -n 1 $W/eval_$name.log | cut -c1-1500; cp $W/run_$name/eval.json $W/run_$name/acceptance.png "$OUT/$name/" 2>/dev/null
 done
