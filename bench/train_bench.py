@@ -111,7 +111,7 @@ def main() -> None:
     def step(batch):
         opt.zero_grad(set_to_none=True)
         out = forward_backward(model, batch, block_size=16, gamma=7.0, kl_weight=0.0, use_flex=use_flex,
-                               loss_chunk=a.loss_chunk, loss_backward=a.loss_backward)
+                               loss_chunk=a.loss_chunk, loss_backward=a.loss_backward, compiled_loss=a.compile)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         return out

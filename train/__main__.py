@@ -51,7 +51,8 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--follow", is_flag=True, help="Train while stage one is still writing the store.")
 @click.option("--workers", default=2, show_default=True, help="DataLoader workers per rank.")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True)
-@click.option("--compile", is_flag=True, help="torch.compile each drafter layer (fuses norms, RoPE, SwiGLU).")
+@click.option("--compile", is_flag=True,
+              help="torch.compile each drafter layer (fuses norms, RoPE, SwiGLU) and the fused loss chunks.")
 @click.option("--loss-chunk", default=2048, show_default=True, help="Draft positions per lm_head + loss chunk.")
 @click.option("--loss-backward", type=click.Choice(LOSS_BACKWARDS), default="fused", show_default=True,
               help="lm_head chunk gradients: formed in the forward pass (fused), rebuilt in backward "

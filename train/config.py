@@ -63,7 +63,7 @@ class TrainConfig:
     attention: str = "auto"
     """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
     compile: bool = False
-    """torch.compile the drafter layers (GPU)."""
+    """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient (GPU)."""
     loss_chunk: int = 2048
     """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
     loss_backward: str = "fused"

@@ -8,6 +8,7 @@ forward pass so backward needs neither its logits nor a second lm_head matmul.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -39,21 +40,41 @@ class LossOut(dict):
     """loss (scalar, differentiable), weight_sum, correct[B], count[B] (per block slot)."""
 
 
-def _chunk_parts(h, lm_head, labels, teacher, kl_weight):
-    """Per-row loss [c], student log-probs [c, V], teacher probs [c, V] (or None), argmax hits [c]."""
-    logp = F.log_softmax((h @ lm_head.T).float(), dim=-1)  # [c, V]
+def _loss_rows(logits, labels, t_logits, kl_weight: float):
+    """From one chunk's logits [c, V] (and the teacher's, or None): per-row loss [c], student
+    log-probs [c, V] (float32), teacher probs [c, V] (or None), argmax hits [c]."""
+    logp = F.log_softmax(logits.float(), dim=-1)
     loss = -logp.gather(1, labels[:, None])[:, 0] * (1 - kl_weight)
     t_p = None
-    if kl_weight > 0:
-        t_logp = F.log_softmax((teacher @ lm_head.T).float(), dim=-1)
+    if t_logits is not None:
+        t_logp = F.log_softmax(t_logits.float(), dim=-1)
         t_p = t_logp.exp()
         loss = loss + kl_weight * (t_p * (t_logp - logp)).sum(-1)
     return loss, logp, t_p, logp.argmax(-1) == labels
 
 
 def _chunk_terms(h, lm_head, labels, w, teacher, kl_weight):
-    loss, _, _, hit = _chunk_parts(h, lm_head, labels, teacher, kl_weight)
+    t_logits = teacher @ lm_head.T if kl_weight > 0 else None
+    loss, _, _, hit = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight)
     return (loss * w).sum(), hit
+
+
+def _head_grad(logits, labels, w, t_logits, kl_weight: float):
+    """One chunk's weighted loss sum, d(loss)/d(logits) [c, V] in the logits' dtype, and hits [c]:
+    d = w * (softmax - (1 - kl) onehot - kl p_teacher)."""
+    loss, logp, t_p, hit = _loss_rows(logits, labels, t_logits, kl_weight)
+    d = logp.exp_()  # softmax, in place of the log-probs (no longer needed)
+    if t_p is not None:
+        d.sub_(t_p, alpha=kl_weight)
+    d[torch.arange(len(d), device=d.device), labels] -= 1 - kl_weight
+    return (loss * w).sum(), d.mul_(w[:, None]).to(logits.dtype), hit
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_head_grad():
+    """_head_grad compiled once per process: its casts, softmax and gradient fuse into few passes
+    over the [c, V] logits instead of one pass per eager op."""
+    return torch.compile(_head_grad, dynamic=True)
 
 
 class _FusedHeadLoss(torch.autograd.Function):
@@ -63,19 +84,15 @@ class _FusedHeadLoss(torch.autograd.Function):
     [c, H] result. Same FLOPs as keeping the logits, memory of one chunk, no recomputed matmul."""
 
     @staticmethod
-    def forward(ctx, rows, lm_head, labels, w, teacher, kl_weight, chunk):
+    def forward(ctx, rows, lm_head, labels, w, teacher, kl_weight, chunk, compiled):
+        head_grad = _compiled_head_grad() if compiled else _head_grad
         total = rows.new_zeros((), dtype=torch.float32)
         grads, hits = [], []
         for i in range(0, len(rows), chunk):
             sl = slice(i, i + chunk)
-            loss, logp, t_p, hit = _chunk_parts(rows[sl], lm_head, labels[sl], teacher[sl] if teacher is not None
-                                                else None, kl_weight)
-            total = total + (loss * w[sl]).sum()
-            d = logp.exp_()  # [c, V] softmax, in place of the log-probs (no longer needed)
-            if t_p is not None:
-                d.sub_(t_p, alpha=kl_weight)
-            d[torch.arange(len(d), device=d.device), labels[sl]] -= 1 - kl_weight
-            d.mul_(w[sl, None])
+            t_logits = teacher[sl] @ lm_head.T if teacher is not None else None  # [c, V]
+            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], w[sl], t_logits, kl_weight)
+            total = total + part
             grads.append((d.to(lm_head.dtype) @ lm_head).to(rows.dtype))  # [c, H]
             hits.append(hit)
         ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(rows))
@@ -86,19 +103,20 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, g_hit):
         (grad,) = ctx.saved_tensors
-        return grad * g_total.to(grad.dtype), None, None, None, None, None, None
+        return grad * g_total.to(grad.dtype), None, None, None, None, None, None, None
 
 
 def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
-               chunk: int = 2048, backward: str = "fused") -> LossOut:
+               chunk: int = 2048, backward: str = "fused", compiled: bool = False) -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss); teacher [B, Q, H] or None.
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
     distribution is the soft label for token p+k. `backward` picks how the chunks' gradients are
     made: "fused" forms each chunk's row gradient in the forward pass (no logits kept, no extra
     matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more lm_head
-    matmul), "keep" leaves every chunk's logits alive until backward (most memory).
+    matmul), "keep" leaves every chunk's logits alive until backward (most memory). `compiled`
+    runs the fused path's per-chunk softmax and gradient through torch.compile.
     """
     if backward not in LOSS_BACKWARDS:
         raise ValueError(f"backward must be one of {LOSS_BACKWARDS}, got {backward!r}")
@@ -115,7 +133,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
         raise ValueError("KL loss needs the stored final hidden state (extract with --last-hidden)")
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and backward == "fused":
-        total, hit = _FusedHeadLoss.apply(rows, lm_head, lab, w, tea if kl_weight > 0 else None, kl_weight, chunk)
+        total, hit = _FusedHeadLoss.apply(rows, lm_head, lab, w, tea if kl_weight > 0 else None, kl_weight, chunk,
+                                          compiled)
     else:
         total = hidden.new_zeros((), dtype=torch.float32)
         hits = []

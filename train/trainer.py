@@ -60,7 +60,8 @@ def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor]) -> DFlashD
 
 
 def forward_loss(model, batch: dict[str, torch.Tensor], *, block_size: int, gamma: float, kl_weight: float,
-                 use_flex: bool, loss_chunk: int = 2048, loss_backward: str = "fused") -> LossOut:
+                 use_flex: bool, loss_chunk: int = 2048, loss_backward: str = "fused",
+                 compiled_loss: bool = False) -> LossOut:
     """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU)."""
     taps = batch["taps"]  # [b, T, K*H]
     t = taps.shape[1]
@@ -71,15 +72,15 @@ def forward_loss(model, batch: dict[str, torch.Tensor], *, block_size: int, gamm
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
         return draft_loss(hidden, batch["labels"], core.lm_head, block_size=block_size, gamma=gamma,
                           teacher=batch.get("teacher"), kl_weight=kl_weight, chunk=loss_chunk,
-                          backward=loss_backward)
+                          backward=loss_backward, compiled=compiled_loss)
 
 
 def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, gamma: float, kl_weight: float,
                      use_flex: bool, grad_scale: float = 1.0, loss_chunk: int = 2048,
-                     loss_backward: str = "fused") -> LossOut:
+                     loss_backward: str = "fused", compiled_loss: bool = False) -> LossOut:
     """forward_loss, then backward of loss x grad_scale."""
     out = forward_loss(model, batch, block_size=block_size, gamma=gamma, kl_weight=kl_weight, use_flex=use_flex,
-                       loss_chunk=loss_chunk, loss_backward=loss_backward)
+                       loss_chunk=loss_chunk, loss_backward=loss_backward, compiled_loss=compiled_loss)
     (out["loss"] * grad_scale).backward()
     return out
 
@@ -265,7 +266,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                     out = forward_backward(ddp, batch, block_size=cfg.block_size, gamma=gamma,
                                            kl_weight=cfg.effective_kl_weight, use_flex=use_flex,
                                            grad_scale=1.0 / cfg.grad_accum, loss_chunk=cfg.loss_chunk,
-                                           loss_backward=cfg.loss_backward)
+                                           loss_backward=cfg.loss_backward, compiled_loss=cfg.compile)
                 acc_sum += out["correct"]
                 cnt_sum += out["count"]
                 loss_sum += out["loss"].detach()  # device tensors: no host sync per step
