@@ -45,7 +45,7 @@ fp8)  # 1 GPU: extraction into an fp8 store (quantized on the GPU)
     --variants thread:3 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote'
   ;;
 layout)  # x2: the design card's layout, stage one on GPU 0 while stage two follows on GPU 1
-  timeout 560 python3 bench/layout_bench.py --shape qwen3-8b --samples 192 --words 1400 --steps 60 \
+  timeout 560 python3 bench/layout_bench.py --shape qwen3-8b --samples 768 --words 1400 --steps 60 \
     2>&1 | tee "$OUT/layout.log" | tail -n 2
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
     tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40 > "$OUT/layout_$(basename "$f")"
