@@ -229,6 +229,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         log.write({"step": step, "epoch": epoch, **row})
 
     # ------------------------------------------------------------------ loop
+    if rank == 0 and (use_flex or cfg.compile):  # a silent first step of minutes looks like a hang
+        print("the first step compiles " + ("FlexAttention and the drafter layers" if cfg.compile and use_flex else
+              "FlexAttention" if use_flex else "the drafter layers")
+              + " (minutes on a machine's first run; the inductor cache makes later runs quick)", flush=True)
     bar = tqdm(total=total, initial=step, disable=rank != 0, desc="train", unit="step")
     acc_sum = torch.zeros(cfg.block_size, device=device)
     cnt_sum = torch.zeros(cfg.block_size, device=device)
