@@ -2,7 +2,8 @@
 # Extraction and training rates on the GPU host (issue 6 items 2 and 3), JSON lines in $OUT.
 # Run on the device machine after installing the carried wheels into /root/site (device.md):
 #   bash bench/gpu_rates.sh extract    # 1 GPU: writer variants; then both GPUs at once (x2)
-#   bash bench/gpu_rates.sh train      # 1 GPU: eager vs --compile (+ profile), 8B and SmolLM2 shapes
+#   bash bench/gpu_rates.sh train      # 1 GPU: 8B-shaped drafter, compiled fused vs kept logits, eager profile
+#   bash bench/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
 #   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs (9 min)
 #   bash bench/gpu_rates.sh fp8        # 1 GPU: extraction rate into an fp8 store
 #   bash bench/gpu_rates.sh layout     # x2: extract on GPU 0 while train --follow runs on GPU 1
@@ -24,13 +25,17 @@ extract)
     wait; grep -h '^{' "$OUT"/extract_2gpu_*.log
   fi
   ;;
-train)  # one run at a time (two at once on one host timed out), generous limits
+train)  # 1 GPU, one run at a time: the fused loss (default) vs kept logits, compiled; then eager + profile.
+  # The first compiled run fills the inductor cache (over 100 s on a fresh machine).
   TB="--shape qwen3-8b --samples 24 --seq 2048 --steps 12 --warmup 3 --token-budget 4096 --workers 4 --store /dev/shm/tb.zarr"
-  timeout 240 python3 bench/train_bench.py $TB --profile 2 2>&1 | tee "$OUT/train_eager.log" | grep -A30 "Self CUDA" | cut -c1-160
-  grep -h '^{' "$OUT/train_eager.log"
-  timeout 300 python3 bench/train_bench.py $TB --compile 2>&1 | tee "$OUT/train_compile.log" | grep '^{'
-  timeout 240 python3 bench/train_bench.py $TB --loss-backward recompute 2>&1 \
-    | tee "$OUT/train_recompute.log" | grep '^{'
+  timeout 280 python3 bench/train_bench.py $TB --compile 2>&1 | tee "$OUT/train_compile_fused.log" | grep '^{'
+  timeout 150 python3 bench/train_bench.py $TB --compile --loss-backward keep --loss-chunk 8192 2>&1 \
+    | tee "$OUT/train_compile_keep.log" | grep '^{'
+  timeout 150 python3 bench/train_bench.py $TB --profile 2 2>&1 | tee "$OUT/train_eager_fused.log" \
+    | grep -A30 "Self CUDA" | cut -c1-160
+  grep -h '^{' "$OUT/train_eager_fused.log"
+  ;;
+small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs compiled
   SB="--shape smollm2-135m --layers 3 --samples 256 --seq 512 --steps 20 --warmup 3 --token-budget 16384 --workers 4 --store /dev/shm/sb.zarr"
   timeout 150 python3 bench/train_bench.py $SB 2>&1 | tee "$OUT/train_small_eager.log" | grep '^{'
   timeout 200 python3 bench/train_bench.py $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'
