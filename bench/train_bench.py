@@ -121,11 +121,15 @@ def main() -> None:
     for b in gpu[: a.warmup]:
         step(b)
     sync()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for b in gpu[a.warmup:]:
         step(b)
     sync()
     t_mem = time.perf_counter() - t0
+    # GPU memory high-water mark of the timed in-memory steps (batches, model, optimizer included)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
     positions = sum(int((b["labels"] != -100).sum()) for b in gpu[a.warmup:])
     flops = sum(flops_per_step(dc, b, a.anchors) for b in gpu[a.warmup:])
     if a.profile:
@@ -158,7 +162,7 @@ def main() -> None:
                       "layers": a.layers, "compile": a.compile, "loss_chunk": a.loss_chunk,
                       "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
-                      "ratio": t_mem / t_store, "data_wait_frac": wait / t_store,
+                      "ratio": t_mem / t_store, "data_wait_frac": wait / t_store, "peak_gib_memory": peak_gib,
                       "tflops_memory": flops / t_mem / 1e12, "mfu_memory": flops / t_mem / 1e12 / a.peak_tflops,
                       "mfu_store": flops / t_store / 1e12 / a.peak_tflops, "trainable_params":
                       sum(p.numel() for p in model.parameters() if p.requires_grad)}))
