@@ -47,6 +47,8 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
     from cache_format.prompts import train_prompts
     from cache_format.target import load_target
 
+    if invent and prompts != "default":
+        raise ValueError("--invent writes prompts and reads none: answer them in a second run with --prompts")
     if invent and temperature <= 0:
         raise ValueError("--invent needs --temperature > 0 (greedy decoding would invent one message)")
     if invent:

@@ -68,9 +68,13 @@ def test_invented_prompts_shard_resume_and_answer(tmp_path):
     assert answered == len(one) and len(_records(tmp_path / "ans.jsonl")) == len(one)
 
 
-def test_invent_refuses_greedy(tmp_path):
+def test_invent_refuses_greedy_and_a_prompt_file(tmp_path):
     with pytest.raises(ValueError, match="temperature"):
         regenerate(out=str(tmp_path / "x.jsonl"), target=tiny_target_dir(tmp_path / "t", "llama"), invent=2)
+    with pytest.raises(ValueError, match="--prompts"):
+        regenerate(out=str(tmp_path / "x.jsonl"), prompts=write_chats(tmp_path / "p.jsonl", 2), invent=2,
+                   temperature=1.0)
+    assert not (tmp_path / "x.jsonl").exists()
 
 
 def test_pre_query_text_is_the_template_before_the_user_message(tmp_path):
