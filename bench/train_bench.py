@@ -20,6 +20,7 @@ import time
 import torch
 
 from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store, write_frozen
+from train.config import LOSS_BACKWARDS
 from train.data import BatchDataset, plan_epoch
 from train.model import DFlashDrafter, DrafterConfig
 from train.trainer import forward_backward
@@ -80,7 +81,7 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
     ap.add_argument("--compile", action="store_true", help="torch.compile each drafter layer (as --compile in train)")
     ap.add_argument("--loss-chunk", type=int, default=2048)
-    ap.add_argument("--loss-backward", default="fused", choices=["fused", "recompute", "keep"],
+    ap.add_argument("--loss-backward", default="fused", choices=LOSS_BACKWARDS,
                     help="as --loss-backward in train")
     ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
     a = ap.parse_args()

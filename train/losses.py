@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from train.anchors import IGNORE
 from train.config import LOSS_BACKWARDS
 
-__all__ = ["LOSS_BACKWARDS", "LossOut", "acceptance_from_acc", "decay_weights", "draft_loss"]
+__all__ = ["LossOut", "acceptance_from_acc", "decay_weights", "draft_loss"]
 
 
 def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -93,7 +93,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             t_logits = teacher[sl] @ lm_head.T if teacher is not None else None  # [c, V]
             part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], w[sl], t_logits, kl_weight)
             total = total + part
-            grads.append((d.to(lm_head.dtype) @ lm_head).to(rows.dtype))  # [c, H]
+            grads.append((d @ lm_head).to(rows.dtype))  # [c, H]; d has the logits' (= lm_head's) dtype
             hits.append(hit)
         ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(rows))
         hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=rows.device)

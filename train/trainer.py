@@ -87,7 +87,7 @@ def forward_backward(model, batch: dict[str, torch.Tensor], *, block_size: int, 
 
 @torch.no_grad()
 def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int, block_size: int,
-                     gamma: float, kl_weight: float, use_flex: bool) -> dict[str, Any]:
+                     gamma: float, kl_weight: float, use_flex: bool, loss_chunk: int = 2048) -> dict[str, Any]:
     """Teacher-forced loss, per-slot accuracy and sim_tau over the held-out micro-batches (all ranks)."""
     model.eval()
     acc = torch.zeros(block_size, device=device)
@@ -95,7 +95,8 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     tot = torch.zeros(2, device=device)  # weighted loss sum, weight sum
     for i in range(len(ds)):
         batch = {k: v.to(device) for k, v in ds[i].items()}
-        out = forward_loss(model, batch, block_size=block_size, gamma=gamma, kl_weight=kl_weight, use_flex=use_flex)
+        out = forward_loss(model, batch, block_size=block_size, gamma=gamma, kl_weight=kl_weight, use_flex=use_flex,
+                           loss_chunk=loss_chunk)
         acc += out["correct"]
         cnt += out["count"]
         tot += torch.stack([out["loss"].float() * out["weight_sum"], out["weight_sum"]])
@@ -225,14 +226,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     def validate() -> None:
         row = evaluate_holdout(model, val_ds, device, world=world, block_size=cfg.block_size, gamma=gamma,
-                               kl_weight=cfg.effective_kl_weight, use_flex=use_flex)
+                               kl_weight=cfg.effective_kl_weight, use_flex=use_flex, loss_chunk=cfg.loss_chunk)
         log.write({"step": step, "epoch": epoch, **row})
 
     # ------------------------------------------------------------------ loop
-    if rank == 0 and (use_flex or cfg.compile):  # a silent first step of minutes looks like a hang
-        print("the first step compiles " + ("FlexAttention and the drafter layers" if cfg.compile and use_flex else
-              "FlexAttention" if use_flex else "the drafter layers")
-              + " (minutes on a machine's first run; the inductor cache makes later runs quick)", flush=True)
+    compiled = [name for name, on in (("FlexAttention", use_flex), ("the drafter layers", cfg.compile)) if on]
+    if rank == 0 and compiled:  # a silent first step of minutes looks like a hang
+        print(f"the first step compiles {' and '.join(compiled)} (minutes on a machine's first run; the inductor "
+              "cache makes later runs quick)", flush=True)
     bar = tqdm(total=total, initial=step, disable=rank != 0, desc="train", unit="step")
     acc_sum = torch.zeros(cfg.block_size, device=device)
     cnt_sum = torch.zeros(cfg.block_size, device=device)
