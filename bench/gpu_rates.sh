@@ -4,7 +4,7 @@
 #   bash bench/gpu_rates.sh extract    # 1 GPU: writer variants; then both GPUs at once (x2)
 #   bash bench/gpu_rates.sh train      # 1 GPU: 8B-shaped drafter, compiled fused vs kept logits, eager profile
 #   bash bench/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
-#   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs (9 min)
+#   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled (9 min)
 #   bash bench/gpu_rates.sh fp8        # 1 GPU: extraction rate into an fp8 store
 #   bash bench/gpu_rates.sh layout     # x2: extract on GPU 0 while train --follow runs on GPU 1
 set -uo pipefail
@@ -40,10 +40,12 @@ small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs co
   timeout 150 python3 bench/train_bench.py $SB 2>&1 | tee "$OUT/train_small_eager.log" | grep '^{'
   timeout 200 python3 bench/train_bench.py $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'
   ;;
-ddp)  # x2: DDP scaling of python -m train (each run stopped after 240 s and rated on the rows logged by
-  # then: on a fresh machine the first run spends 100+ s compiling FlexAttention)
-  timeout 540 python3 bench/ddp_bench.py --shape qwen3-8b --gpus 1,2 --steps 2000 --samples 96 --seq 2048 \
-    --time-limit 240 --skip-rows 3 2>&1 | tee "$OUT/ddp.log" | tail -n 3
+ddp)  # x2: DDP scaling of python -m train --compile (the fused loss, the default), each run stopped after
+  # 220 s and rated on the rows logged by then: on a fresh machine the first run spends 100+ s compiling
+  timeout 560 python3 bench/ddp_bench.py --shape qwen3-8b --gpus 1,2 --steps 5000 --samples 96 --seq 2048 \
+    --compile --time-limit 220 --skip-rows 3 2>&1 | tee "$OUT/ddp.log" | tail -n 3
+  for g in 1 2; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; \
+    tr '\r' '\n' < /tmp/draftcache_ddp_bench/g$g/run.log | grep -v '^\s*$' | tail -n 15 > "$OUT/ddp_g$g.log"; done
   ;;
 fp8)  # 1 GPU: extraction into an fp8 store (quantized on the GPU)
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr --dtype fp8_e4m3 \
