@@ -41,13 +41,35 @@ def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:
         try:
             rc = proc.wait(timeout=a.time_limit or None)
         except subprocess.TimeoutExpired:  # the rate comes from the rows logged so far
-            os.killpg(proc.pid, signal.SIGKILL)
+            stop_tree(proc.pid)
             proc.wait()
             rc = 0
             print(f"{gpus} GPU run stopped at the {a.time_limit:.0f} s limit", file=sys.stderr)
     if rc:
         raise SystemExit(f"{gpus} GPU run failed (exit {rc}):\n{log.read_text()[-3000:]}")
     return steady_rate(Path(out), a.skip_rows)
+
+
+def stop_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants. torchrun starts each rank in a session of its own, so
+    killing torchrun's process group leaves the ranks running (and holding their GPUs)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def child_env(**extra: str) -> dict:
