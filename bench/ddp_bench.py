@@ -21,7 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import make_store  # noqa: E402
+from train_bench import SHAPES, flops_per_step, make_store  # noqa: E402
+
+from cache_format import StoreReader  # noqa: E402
 
 
 def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:
@@ -106,16 +108,44 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="stop each run after this many seconds and rate the rows logged by then (0: no limit)")
+    ap.add_argument("--reuse-store", action="store_true",
+                    help="keep a finalized store already at --store (a second call on a warm machine)")
+    ap.add_argument("--base-rate", type=float, default=0.0,
+                    help="1-GPU positions/s measured by an earlier call; scaling is then against it")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
     a = ap.parse_args()
     import torch
 
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    make_store(a.store, a.shape, a.samples, a.seq)
+    if not (a.reuse_store and (Path(a.store) / "zarr.json").exists() and StoreReader(a.store).finalized):
+        make_store(a.store, a.shape, a.samples, a.seq)
     rates = {int(g): run(a.store, f"{a.out}/g{g}", int(g), a) for g in a.gpus.split(",")}
-    base = rates[min(rates)] / min(rates)
+    base = a.base_rate or rates[min(rates)] / min(rates)
+    fpp = flops_per_position(a)
     print(json.dumps({"shape": a.shape, "device": a.device, "layers": a.layers, "token_budget_per_rank": a.token_budget,
-                      "compile": a.compile, "positions_per_s": rates,
-                      "scaling_efficiency": {g: r / (g * base) for g, r in rates.items()}}))
+                      "compile": a.compile, "positions_per_s": rates, "base_rate_1gpu": base,
+                      "scaling_efficiency": {g: r / (g * base) for g, r in rates.items()},
+                      "flops_per_position": fpp,
+                      "mfu_per_gpu": {g: r * fpp / g / 1e12 / a.peak_tflops for g, r in rates.items()}}))
+
+
+def flops_per_position(a: argparse.Namespace) -> float:
+    """Model FLOPs per supervised draft position, counted as bench/train_bench.py counts them, over the first
+    epoch's first batches (this bench's samples all have one length, so every batch costs the same)."""
+    from train.data import BatchDataset, plan_epoch
+    from train.model import DrafterConfig
+
+    h, inter, nh, nkv, hd, v = SHAPES[a.shape]
+    dc = DrafterConfig(hidden_size=h, intermediate_size=inter, num_layers=a.layers, num_heads=nh, num_kv_heads=nkv,
+                       head_dim=hd, vocab_size=v, num_taps=5, block_size=16, mask_token_id=v - 1, rope_theta=1e6)
+    r = StoreReader(a.store)
+    steps = plan_epoch(r.sample_ids, r.lengths(), r.buckets(), token_budget=a.token_budget, seed=0, epoch=0,
+                       ranks=1, grad_accum=1)[:4]
+    ds = BatchDataset(a.store, [s[0] for s in steps], list(range(len(steps))), tap_index=[0, 1, 2, 3, 4],
+                      num_stored_taps=5, num_anchors=512, block_size=16, mask_token_id=dc.mask_token_id, seed=0,
+                      epoch=0, with_teacher=False)
+    batches = [ds[i] for i in range(len(steps))]
+    return sum(flops_per_step(dc, b, 512) for b in batches) / sum(int((b["labels"] != -100).sum()) for b in batches)
 
 
 if __name__ == "__main__":

@@ -4,16 +4,29 @@
 #   bash bench/gpu_rates.sh extract    # 1 GPU: writer variants; then both GPUs at once (x2)
 #   bash bench/gpu_rates.sh train      # 1 GPU: 8B-shaped drafter, compiled fused vs kept logits, eager profile
 #   bash bench/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
-#   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled (9 min)
+#   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
+#   bash bench/gpu_rates.sh ddp1 probe wait savecache  # x2 cold: 1-GPU compiled run on GPU 0 (400 s) while GPU 1 times the
+#                                      #   cold compiles (bench/compile_probe.py, own cache dirs)
+#   bash bench/gpu_rates.sh ddp2       # x2 warm, next call: 2 GPUs on the same store; scaling vs ddp1's rate
+#   bash bench/gpu_rates.sh savecache  # the inductor cache as $OUT/inductor.tgz, to carry to a fresh machine
 #   bash bench/gpu_rates.sh fp8        # 1 GPU: extraction rate into an fp8 store
 #   bash bench/gpu_rates.sh layout     # x2: extract on GPU 0 while train --follow runs on GPU 1
+# Several stages run in order: `bash bench/gpu_rates.sh ddp2 layout`. On a fresh machine every compile is cold
+# (minutes at the 8B shape); an inductor cache carried as .devcarry/inductor.tgz is unpacked first.
 set -uo pipefail
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/root/inductor
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ -f .devcarry/inductor.tgz ] && [ ! -d /root/inductor ]; then mkdir -p /root/inductor && tar xzf .devcarry/inductor.tgz -C /root/inductor; fi
 XB="--shape qwen3-8b --batches 24 --batch 8 --seq 2048"
-case "${1:-extract}" in
+DB="--shape qwen3-8b --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"
+ddp_files() {  # metrics and the log's tail of each run, back in $OUT
+  for g in "$@"; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; \
+    tr '\r' '\n' < /tmp/draftcache_ddp_bench/g$g/run.log | grep -v '^\s*$' | tail -n 15 > "$OUT/ddp_g$g.log"; done
+}
+for stage in "${@:-extract}"; do
+case "$stage" in
 extract)
   CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr \
     --variants thread:3,thread:4,process:3 2>&1 | tee "$OUT/extract_1gpu.log" | grep '^{'
@@ -40,12 +53,33 @@ small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs co
   timeout 150 python3 bench/train_bench.py $SB 2>&1 | tee "$OUT/train_small_eager.log" | grep '^{'
   timeout 200 python3 bench/train_bench.py $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'
   ;;
-ddp)  # x2: DDP scaling of python -m train --compile (the fused loss, the default), each run stopped after
-  # 220 s and rated on the rows logged by then: on a fresh machine the first run spends 100+ s compiling
-  timeout 560 python3 bench/ddp_bench.py --shape qwen3-8b --gpus 1,2 --steps 5000 --samples 96 --seq 2048 \
-    --compile --time-limit 220 --skip-rows 3 2>&1 | tee "$OUT/ddp.log" | tail -n 3
-  for g in 1 2; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; \
-    tr '\r' '\n' < /tmp/draftcache_ddp_bench/g$g/run.log | grep -v '^\s*$' | tail -n 15 > "$OUT/ddp_g$g.log"; done
+ddp)  # x2: DDP scaling of python -m train --compile (the fused loss, the default), 1 then 2 GPUs in one call;
+  # each run is rated on the rows logged before its limit (on a fresh machine the compile alone takes minutes)
+  timeout 560 python3 bench/ddp_bench.py $DB --gpus 1,2 --time-limit 220 2>&1 | tee "$OUT/ddp.log" | tail -n 3
+  ddp_files 1 2
+  ;;
+ddp1)  # 1 GPU (GPU 0), long enough for a cold compile and then steady steps; the store stays for ddp2
+  { CUDA_VISIBLE_DEVICES=0 timeout 470 python3 bench/ddp_bench.py $DB --gpus 1 --time-limit ${TL1:-420} 2>&1 \
+    | tee "$OUT/ddp1.log" /tmp/ddp1.log | tail -n 3; ddp_files 1; } &
+  sleep 5  # in the background: a later stage (probe) runs on GPU 1 meanwhile; `wait` joins it
+  ;;
+probe)  # GPU 1: each cold compile of a first step timed alone, inductor's worker pool vs one compile thread
+  for t in 0 1; do
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 bench/compile_probe.py --threads $t --cache-dir /tmp/probe_cache_$t \
+      2>&1 | tail -n 2 | tee -a "$OUT/probe.log"
+  done
+  ;;
+wait)  # join a background stage (ddp1) before the next
+  wait
+  ;;
+ddp2)  # 2 GPUs, the store and compile cache of ddp1 (same machine, still warm); scaling against ddp1's rate
+  BASE=${BASE:-$(python3 -c 'import json; print(json.loads(open("/tmp/ddp1.log").read().splitlines()[-1])["positions_per_s"]["1"])' 2>/dev/null || echo 0)}
+  timeout 300 python3 bench/ddp_bench.py $DB --gpus 2 --reuse-store --base-rate ${BASE:-0} --time-limit ${TL2:-240} \
+    2>&1 | tee "$OUT/ddp2.log" | tail -n 3
+  ddp_files 2
+  ;;
+savecache)  # fits the 16 MiB a returned file may have, or says it does not
+  tar czf "$OUT/inductor.tgz" -C /root/inductor . && ls -l "$OUT/inductor.tgz"
   ;;
 fp8)  # 1 GPU: extraction into an fp8 store (quantized on the GPU)
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr --dtype fp8_e4m3 \
@@ -57,5 +91,8 @@ layout)  # x2: the design card's layout, stage one on GPU 0 while stage two foll
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
     tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40 > "$OUT/layout_$(basename "$f")"
   done
+  pkill -9 -f "[-]m (extract|train) " || true  # a phase cut by the limit must not keep its GPU
   ;;
 esac
+done
+wait

@@ -4,18 +4,20 @@
 #   train two drafters at once, one per GPU (RUN0 on GPU 0, RUN1 on GPU 1) -> evaluate both at once.
 # A store is "name:dtype:data" (data: base = the regenerated packaged prompts; base+code adds the
 # target-invented code conversations, docs/results/invented-code/code.jsonl.gz); a run is
-# "name:store:extra train args". Defaults: the same CE drafter trained without and with the code data.
+# "name:store:extra train args". Defaults: one store (packaged prompts + invented code), a CE drafter (GPU 0)
+# and a KL drafter (GPU 1): 4 of 5 responses were sampled at T 0.8, so CE learns sampled tokens while
+# greedy decoding accepts the target's argmax; KL against the stored teacher has no such label noise.
 # CODE_N=2000 invents and answers fresh code prompts on the GPUs instead of using the committed ones.
 # Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
-# STAGE=train reruns only training, resuming, and evaluation while the machine is still warm).
+# STAGE=train resumes training and evaluates; STAGE=eval only evaluates; both while the machine is still warm).
 set -uo pipefail
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=/root/inductor
 OUT=${OUT:-/tmp/out}; W=/root/w; mkdir -p "$OUT" $W
 G=/root/m/SmolLM2-135M-Instruct.Q4_1.gguf
 STEPS=${STEPS:-900}; TLIM=${TLIM:-330}
-STORES=${STORES:-base:bfloat16:base code:bfloat16:base+code}
-RUN0=${RUN0:-base:base:--loss ce}; RUN1=${RUN1:-code:code:--loss ce}
+STORES=${STORES:-code:bfloat16:base+code}
+RUN0=${RUN0:-ce:code:--loss ce}; RUN1=${RUN1:-kl:code:--loss kl}
 CODE=docs/results/invented-code/code.jsonl.gz
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [ "${STAGE:-all}" = all ]; then
@@ -50,6 +52,7 @@ for st in $STORES; do
 done
 fi
 runs=("$RUN0" "$RUN1")
+if [ "${STAGE:-all}" != eval ]; then
 for i in 0 1; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
   CUDA_VISIBLE_DEVICES=$i timeout $TLIM python3 -m train --store /dev/shm/$store.zarr --out $W/run_$name --num-layers 3 \
@@ -58,15 +61,19 @@ for i in 0 1; do
     > $W/train_$name.log 2>&1 &
 done
 wait; stamp trained
+fi
 for i in 0 1; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
-  mkdir -p "$OUT/$name"; cp $W/run_$name/metrics.jsonl $W/run_$name/*.png "$OUT/$name/" 2>/dev/null
-  grep -v "step/s]" $W/train_$name.log | tail -n 4; grep val_loss $W/run_$name/metrics.jsonl | tail -n 1 | cut -c1-300
+  # at most 8 files come back: metrics, the train log's tail and eval.json per run (plots are redrawn from
+  # them: train.metrics.plot_metrics, train.eval._plot)
+  mkdir -p "$OUT/$name"; cp $W/run_$name/metrics.jsonl "$OUT/$name/" 2>/dev/null
+  tr '\r' '\n' < $W/train_$name.log | grep -v '^\s*$' | tail -n 30 > "$OUT/$name/train.log"
+  grep val_loss $W/run_$name/metrics.jsonl | tail -n 1 | cut -c1-300
   CUDA_VISIBLE_DEVICES=$i python3 -m train.eval --run $W/run_$name --limit 16 --max-new-tokens 96 --json \
     > $W/eval_$name.log 2>&1 &
 done
 wait; stamp evaluated
 for i in 0 1; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
-  tail -n 1 $W/eval_$name.log | cut -c1-1500; cp $W/run_$name/eval.json $W/run_$name/acceptance.png "$OUT/$name/" 2>/dev/null
+  tail -n 1 $W/eval_$name.log | cut -c1-1500; cp $W/run_$name/eval.json "$OUT/$name/" 2>/dev/null
 done

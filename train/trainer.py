@@ -182,6 +182,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             reader.refresh()
     # In follow mode the store grows: scale the first plan by records expected / records seen.
     per_epoch = len(steps_in(0))
+    if per_epoch == 0 and reader.finalized:  # else it would train 0 steps and say nothing was wrong
+        raise ValueError(f"{cfg.store}: {len(reader)} samples make fewer micro-batches of --token-budget "
+                         f"{cfg.token_budget} than one step needs ({world} ranks x --grad-accum {cfg.grad_accum}); "
+                         "lower the token budget or use fewer ranks")
     if not reader.finalized:
         per_epoch = int(per_epoch * reader.manifest.dataset.num_records / max(1, len(reader))) + 1
     total = cfg.max_steps or max(1, per_epoch * cfg.epochs)

@@ -83,6 +83,9 @@ def test_refusals(store, tmp_path):
     train(_cfg(store, tmp_path / "b", max_steps=2))
     with pytest.raises(ValueError, match="config differs.*num_layers"):
         train(_cfg(store, tmp_path / "b", max_steps=4, num_layers=2, resume=True))
+    # too few micro-batches for one step: refused, not "trained 0 steps"
+    with pytest.raises(ValueError, match="fewer micro-batches of --token-budget"):
+        train(_cfg(store, tmp_path / "d", grad_accum=10_000))
     # an unfinalized store is refused without --follow
     meta = Path(store) / "zarr.json"
     doc = json.loads(meta.read_text())
