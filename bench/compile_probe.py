@@ -3,10 +3,11 @@
     python bench/compile_probe.py [--threads N] [--cache-dir DIR]
 
 On a fresh GPU machine `python -m train` at the Qwen3-8B shape logged no step in 200 s, and a
-fault-handler dump at 110 s found it still compiling the FlexAttention block mask, the step's first
-compile. This times, in one fresh process and in the step's order: (1) a trivial compiled function
-(inductor's compile-worker pool starts here), (2) the compiled block mask (train.masks), (3)
-compiled flex_attention forward + backward at the drafter's head shape; then each again, warm.
+fault-handler dump at 110 s found it still compiling the FlexAttention block mask (then built by a
+compiled create_block_mask; train.masks now builds its tiles directly, with no compile). This
+times, in one fresh process and in the step's order: (1) a trivial compiled function (inductor's
+compile-worker pool starts here), (2) the block mask, (3) compiled flex_attention forward +
+backward at the drafter's head shape; then each again, warm.
 `--threads` sets TORCHINDUCTOR_COMPILE_THREADS (1 = compile in this process, no worker pool);
 `--cache-dir` a fresh TORCHINDUCTOR_CACHE_DIR, so a run is cold even on a machine that compiled
 before. One JSON line of seconds.

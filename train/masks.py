@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dense_mask", "flex_block_mask"]
+__all__ = ["block_tiles", "dense_mask", "flex_block_mask"]
 
 
 def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -26,9 +26,54 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
     return ctx_ok | blk_ok
 
 
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
-    """The same rule as a FlexAttention BlockMask (H=None: no per-head copy, SpecForge #452)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = 128
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which [tile x tile] tiles of the mask are partly and which fully visible, straight from the anchors.
+
+    anchors [B, N] -> (partial, full), bool [B, QT, KVT] with QT = ceil(N*bs / tile), KVT = ceil(KV / tile).
+    Exactly what create_block_mask finds by evaluating the mask over the whole [Q, KV] grid (rows
+    and keys past the ends count as hidden, so a tile that crosses an end is never full), but with
+    no grid and no compile: per query row only the row's anchor and own block matter.
+    """
+    b, n = anchors.shape
+    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    qt, kvt = -(-q_len // tile), -(-kv_len // tile)
+    dev = anchors.device
+    rows = torch.arange(qt * tile, device=dev)  # [R] query rows, padded to whole tiles
+    exists = rows < q_len
+    blk = (rows // block_size).clamp(max=n - 1)
+    a = torch.where(exists[None], anchors[:, blk], -1)[..., None]  # [B, R, 1] anchor per row
+    own_lo = (ctx_len + blk * block_size)[None, :, None]  # [1, R, 1] the row's own block keys
+    own_hi = own_lo + block_size
+    lo = torch.arange(kvt, device=dev) * tile  # [KVT] first key of each kv tile
+    hi = lo + tile
+    ctx_hi = hi.clamp(max=ctx_len)
+    # some key visible: a context key below the anchor, or a key of the row's own block
+    some = (lo < torch.minimum(torch.full_like(lo, ctx_len), a.clamp(min=0))) | \
+        (torch.maximum(lo, own_lo) < torch.minimum(hi, own_hi))  # [B, R, KVT]
+    # every key visible: the tile's context part below the anchor, its block part inside the own block
+    every = (hi <= kv_len) & ((lo >= ctx_len) | (ctx_hi <= a)) & \
+        ((hi <= ctx_len) | ((own_lo <= lo.clamp(min=ctx_len)) & (hi <= own_hi)))
+    some = (some & exists[None, :, None]).view(b, qt, tile, kvt).any(2)
+    full = (every & exists[None, :, None]).view(b, qt, tile, kvt).all(2)
+    return some & ~full, full
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [B, QT, KVT] -> (count [B, 1, QT], indices [B, 1, QT, KVT]): the set tiles' kv indices first, ascending."""
+    idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+    return tiles.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
+
+
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = 128):
+    """The same rule as a FlexAttention BlockMask (H=None: no per-head copy, SpecForge #452).
+
+    The tiles come from block_tiles rather than create_block_mask: that one evaluates the mask over
+    the whole grid, which on a GPU wants torch.compile, and its cold compile was the first minutes
+    of a fresh machine's first step (docs/BENCHMARKS.md). The partly visible tiles still apply
+    mask_mod elementwise inside the kernel.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     b, n = anchors.shape
     q_len, kv_len = n * block_size, ctx_len + n * block_size
@@ -40,6 +85,7 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
         own = (kv_idx - ctx_len) // block_size == q_blk
         return (in_ctx & (kv_idx < anchor)) | (~in_ctx & own)
 
-    compile_ = anchors.device.type == "cuda"  # compiled: block-sparse build, no dense [Q, KV] grid
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=anchors.device,
-                             _compile=compile_)
+    partial, full = block_tiles(anchors, ctx_len, block_size, tile)
+    (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))

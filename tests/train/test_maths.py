@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from train.anchors import IGNORE, build_blocks, sample_anchors
 from train.losses import acceptance_from_acc, decay_weights, draft_loss
-from train.masks import dense_mask, flex_block_mask
+from train.masks import block_tiles, dense_mask, flex_block_mask
 
 
 def mask_oracle(anchors: list[list[int]], ctx_len: int, bs: int) -> torch.Tensor:
@@ -50,6 +50,39 @@ def test_flex_mask_matches_loop_on_cpu():
     b, q, kv = torch.meshgrid(torch.arange(2), torch.arange(48), torch.arange(88), indexing="ij")
     got = bm.mask_mod(b, torch.zeros_like(b), q, kv)
     assert torch.equal(got, mask_oracle(anchors, 40, 16))
+
+
+@pytest.mark.parametrize("ctx_len,bs,tile,anchors", [
+    (40, 16, 128, [[1, 20, 30], [31, 5, -1]]),  # one tile each way: partial everywhere
+    (70, 4, 8, [[69, 64, 0, -1, 33], [16, 24, 40, 48, 8]]),  # context tiles fully visible, crossing tiles
+    (20, 16, 8, [[19, 3]]),  # tile < block: block-part tiles can be full, and a tile across the context end
+    (64, 8, 16, [[63, 62, 61, 60, 10, 11, 12, 13]]),
+    (7, 2, 4, [[6, 5, 4, 3, 2, 1, 0]]),
+])
+def test_block_tiles_match_the_loop_oracle(ctx_len, bs, tile, anchors):
+    dense = mask_oracle(anchors, ctx_len, bs)  # [B, Q, KV]
+    b, q, kv = dense.shape
+    qt, kvt = -(-q // tile), -(-kv // tile)
+    padded = torch.zeros(b, qt * tile, kvt * tile, dtype=torch.bool)  # rows and keys past the ends: hidden
+    padded[:, :q, :kv] = dense
+    per_tile = padded.view(b, qt, tile, kvt, tile).permute(0, 1, 3, 2, 4).reshape(b, qt, kvt, tile * tile)
+    want_full, want_some = per_tile.all(-1), per_tile.any(-1)
+    partial, full = block_tiles(torch.tensor(anchors), ctx_len, bs, tile)
+    assert torch.equal(full, want_full)
+    assert torch.equal(partial, want_some & ~want_full)
+
+
+def test_flex_block_mask_tiles_equal_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    anchors = torch.tensor([[0, 150, 299, -1, 7], [100, 101, 102, 103, 104]])
+    ctx_len, bs = 300, 16
+    ours = flex_block_mask(anchors, ctx_len, bs, tile=32)
+    theirs = create_block_mask(ours.mask_mod, B=2, H=None, Q_LEN=5 * bs, KV_LEN=ctx_len + 5 * bs, device="cpu",
+                               BLOCK_SIZE=32)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
 
 
 def test_anchor_sampler_properties():
