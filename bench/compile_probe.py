@@ -72,7 +72,7 @@ def main() -> None:
         timed(f"{phase}_block_mask_s", lambda: flex_block_mask(anchors, a.ctx, 16))
         if dev == "cuda":
             mask = flex_block_mask(anchors, a.ctx, 16)
-            timed(f"{phase}_flex_fwd_bwd_s", lambda: flex_step(mask))
+            timed(f"{phase}_flex_fwd_bwd_s", lambda m=mask: flex_step(m))
     print(json.dumps(out))
 
 
