@@ -23,7 +23,7 @@ from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_
 from train.config import LOSS_BACKWARDS
 from train.data import BatchDataset, plan_epoch
 from train.model import DFlashDrafter, DrafterConfig
-from train.trainer import forward_backward
+from train.trainer import forward_backward, make_optimizer
 
 SHAPES = {"qwen3-8b": (4096, 12288, 32, 8, 128, 151936), "qwen3-32b": (5120, 25600, 64, 8, 128, 151936),
           "smollm2-135m": (576, 1536, 9, 3, 64, 49152), "tiny": (128, 256, 4, 2, 32, 1000)}
@@ -97,7 +97,7 @@ def main() -> None:
     model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"]).to(dev)
     if a.compile:
         model.compile_layers()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)  # what python -m train uses
     steps = plan_epoch(r.sample_ids, r.lengths(), r.buckets(), token_budget=a.token_budget, seed=0, epoch=0,
                        ranks=1, grad_accum=1)
     micro = [s[0] for s in steps]
