@@ -2,7 +2,8 @@
 # Extraction and training rates on the GPU host (issue 6 items 2 and 3), JSON lines in $OUT.
 # Run on the device machine after installing the carried wheels into /root/site (device.md):
 #   bash bench/gpu_rates.sh extract    # 1 GPU: writer variants; then both GPUs at once (x2)
-#   bash bench/gpu_rates.sh train      # 1 GPU: 8B-shaped drafter, compiled fused vs kept logits, eager profile
+#   bash bench/gpu_rates.sh train      # 1 GPU: 8B-shaped drafter, compiled: fused loss at budgets 4096/8192, kept logits
+#   bash bench/gpu_rates.sh profile    # 1 GPU: the same eager, with torch.profiler's top CUDA ops
 #   bash bench/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
 #   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
 #   bash bench/gpu_rates.sh ddp1 probe wait savecache  # x2 cold: 1-GPU compiled run on GPU 0 (400 s) while GPU 1 times the
@@ -20,7 +21,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -f .devcarry/inductor.tgz ] && [ ! -d /root/inductor ]; then mkdir -p /root/inductor && tar xzf .devcarry/inductor.tgz -C /root/inductor; fi
 XB="--shape qwen3-8b --batches 24 --batch 8 --seq 2048"
-DB="--shape qwen3-8b --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"
+DB=${DB:-"--shape qwen3-8b --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"}  # env: a CPU smoke run
 ddp_files() {  # metrics and the log's tail of each run, back in $OUT
   for g in "$@"; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; \
     tr '\r' '\n' < /tmp/draftcache_ddp_bench/g$g/run.log | grep -v '^\s*$' | tail -n 15 > "$OUT/ddp_g$g.log"; done
@@ -38,15 +39,20 @@ extract)
     wait; grep -h '^{' "$OUT"/extract_2gpu_*.log
   fi
   ;;
-train)  # 1 GPU, one run at a time: the fused loss (default) vs kept logits, compiled; then eager + profile.
-  # The first compiled run fills the inductor cache (over 100 s on a fresh machine).
-  TB="--shape qwen3-8b --samples 24 --seq 2048 --steps 12 --warmup 3 --token-budget 4096 --workers 4 --store /dev/shm/tb.zarr"
-  timeout 280 python3 bench/train_bench.py $TB --compile 2>&1 | tee "$OUT/train_compile_fused.log" | grep '^{'
-  timeout 150 python3 bench/train_bench.py $TB --compile --loss-backward keep --loss-chunk 8192 2>&1 \
-    | tee "$OUT/train_compile_keep.log" | grep '^{'
-  timeout 150 python3 bench/train_bench.py $TB --profile 2 2>&1 | tee "$OUT/train_eager_fused.log" \
-    | grep -A30 "Self CUDA" | cut -c1-160
-  grep -h '^{' "$OUT/train_eager_fused.log"
+train)  # 1 GPU, one run at a time, compiled: the fused loss (default) at two token budgets, then kept logits
+  # (the 47.2% MFU run of 2026-11-30). The first compiled run fills the inductor cache if it is cold.
+  TB="--shape qwen3-8b --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr --compile"
+  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/train_bench.py $TB --token-budget 4096 2>&1 \
+    | tee "$OUT/train_fused_4096.log" | grep '^{'
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --token-budget 8192 2>&1 \
+    | tee "$OUT/train_fused_8192.log" | grep '^{'
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --token-budget 4096 --loss-backward keep \
+    --loss-chunk 8192 2>&1 | tee "$OUT/train_keep_4096.log" | grep '^{'
+  ;;
+profile)  # 1 GPU: eager, fused loss, torch.profiler's top CUDA ops over 2 steps
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py --shape qwen3-8b --samples 24 --seq 2048 --steps 12 \
+    --warmup 3 --token-budget 4096 --workers 4 --store /dev/shm/tb.zarr --profile 2 2>&1 \
+    | tee "$OUT/train_eager_profile.log" | grep -A30 "Self CUDA" | cut -c1-160
   ;;
 small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs compiled
   SB="--shape smollm2-135m --layers 3 --samples 256 --seq 512 --steps 20 --warmup 3 --token-budget 16384 --workers 4 --store /dev/shm/sb.zarr"
@@ -65,7 +71,7 @@ ddp1)  # 1 GPU (GPU 0), long enough for a cold compile and then steady steps; th
   ;;
 probe)  # GPU 1: each cold compile of a first step timed alone, inductor's worker pool vs one compile thread
   for t in 0 1; do
-    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 bench/compile_probe.py --threads $t --cache-dir /tmp/probe_cache_$t \
+    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 bench/compile_probe.py --threads $t --cache-dir /tmp/probe_cache_$t ${PROBE_ARGS:-} \
       2>&1 | tail -n 2 | tee -a "$OUT/probe.log"
   done
   ;;
@@ -86,7 +92,7 @@ fp8)  # 1 GPU: extraction into an fp8 store (quantized on the GPU)
     --variants thread:3 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote'
   ;;
 layout)  # x2: the design card's layout, stage one on GPU 0 while stage two follows on GPU 1
-  timeout 560 python3 bench/layout_bench.py --shape qwen3-8b --samples 768 --words 1400 --steps 60 \
+  timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape qwen3-8b --samples 768 --words 1400 --steps 60 \
     2>&1 | tee "$OUT/layout.log" | tail -n 2
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
     tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40 > "$OUT/layout_$(basename "$f")"
