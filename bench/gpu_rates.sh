@@ -20,8 +20,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ -f .devcarry/inductor.tgz ] && [ ! -d /root/inductor ]; then mkdir -p /root/inductor && tar xzf .devcarry/inductor.tgz -C /root/inductor; fi
-XB="--shape qwen3-8b --batches 24 --batch 8 --seq 2048"
-DB=${DB:-"--shape qwen3-8b --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"}  # env: a CPU smoke run
+SHAPE=${SHAPE:-qwen3-8b}  # qwen3-32b for the 8-GPU runs of issue 7
+XB="--shape $SHAPE --batches 24 --batch 8 --seq 2048"
+DB=${DB:-"--shape $SHAPE --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"}  # env: a CPU smoke run
 ddp_files() {  # metrics and the log's tail of each run, back in $OUT
   for g in "$@"; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; \
     tr '\r' '\n' < /tmp/draftcache_ddp_bench/g$g/run.log | grep -v '^\s*$' | tail -n 15 > "$OUT/ddp_g$g.log"; done
@@ -31,17 +32,17 @@ case "$stage" in
 extract)
   CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr \
     --variants thread:3,thread:4,process:3 2>&1 | tee "$OUT/extract_1gpu.log" | grep '^{'
-  if [ "$NGPU" -ge 2 ]; then  # one extraction per GPU at once: the host (RAM bandwidth, /dev/shm) is shared
-    for g in 0 1; do
+  if [ "$NGPU" -ge 2 ]; then  # one extraction per GPU, all at once: the host (RAM bandwidth, /dev/shm) is shared
+    for g in $(seq 0 $((NGPU - 1))); do
       CUDA_VISIBLE_DEVICES=$g timeout 200 python3 bench/extract_bench.py $XB --store /dev/shm/xb$g.zarr \
-        --variants thread:3 > "$OUT/extract_2gpu_$g.log" 2>&1 &
+        --variants thread:3 > /tmp/extract_gpu_$g.log 2>&1 &
     done
-    wait; grep -h '^{' "$OUT"/extract_2gpu_*.log
+    wait; grep -h '^{' /tmp/extract_gpu_*.log | tee "$OUT/extract_allgpu.log"  # one file: 8 at most come back
   fi
   ;;
 train)  # 1 GPU, one run at a time, compiled: the fused loss (default) at two token budgets, then kept logits
   # (the 47.2% MFU run of 2026-11-30). The first compiled run fills the inductor cache if it is cold.
-  TB="--shape qwen3-8b --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr --compile"
+  TB="--shape $SHAPE --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr --compile"
   CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/train_bench.py $TB --token-budget 4096 2>&1 \
     | tee "$OUT/train_fused_4096.log" | grep '^{'
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --token-budget 8192 2>&1 \
@@ -50,7 +51,7 @@ train)  # 1 GPU, one run at a time, compiled: the fused loss (default) at two to
     --loss-chunk 8192 2>&1 | tee "$OUT/train_keep_4096.log" | grep '^{'
   ;;
 profile)  # 1 GPU: eager, fused loss, torch.profiler's top CUDA ops over 2 steps
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py --shape qwen3-8b --samples 24 --seq 2048 --steps 12 \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py --shape $SHAPE --samples 24 --seq 2048 --steps 12 \
     --warmup 3 --token-budget 4096 --workers 4 --store /dev/shm/tb.zarr --profile 2 2>&1 \
     | tee "$OUT/train_eager_profile.log" | grep -A30 "Self CUDA" | cut -c1-160
   ;;
@@ -61,8 +62,8 @@ small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs co
   ;;
 ddp)  # x2: DDP scaling of python -m train --compile (the fused loss, the default), 1 then 2 GPUs in one call;
   # each run is rated on the rows logged before its limit (on a fresh machine the compile alone takes minutes)
-  timeout 560 python3 bench/ddp_bench.py $DB --gpus 1,2 --time-limit 220 2>&1 | tee "$OUT/ddp.log" | tail -n 3
-  ddp_files 1 2
+  timeout 560 python3 bench/ddp_bench.py $DB --gpus 1,$NGPU --time-limit 220 2>&1 | tee "$OUT/ddp.log" | tail -n 3
+  ddp_files 1 $NGPU
   ;;
 ddp1)  # 1 GPU (GPU 0), long enough for a cold compile and then steady steps; the store stays for ddp2
   { CUDA_VISIBLE_DEVICES=0 timeout 470 python3 bench/ddp_bench.py $DB --gpus 1 --time-limit ${TL1:-420} 2>&1 \
@@ -80,9 +81,9 @@ wait)  # join a background stage (ddp1) before the next
   ;;
 ddp2)  # 2 GPUs, the store and compile cache of ddp1 (same machine, still warm); scaling against ddp1's rate
   BASE=${BASE:-$(python3 -c 'import json; print(json.loads(open("/tmp/ddp1.log").read().splitlines()[-1])["positions_per_s"]["1"])' 2>/dev/null || echo 0)}
-  timeout 300 python3 bench/ddp_bench.py $DB --gpus 2 --reuse-store --base-rate ${BASE:-0} --time-limit ${TL2:-240} \
+  timeout 300 python3 bench/ddp_bench.py $DB --gpus $NGPU --reuse-store --base-rate ${BASE:-0} --time-limit ${TL2:-240} \
     2>&1 | tee "$OUT/ddp2.log" | tail -n 3
-  ddp_files 2
+  ddp_files $NGPU
   ;;
 savecache)  # fits the 16 MiB a returned file may have, or says it does not
   tar czf "$OUT/inductor.tgz" -C /root/inductor . && ls -l "$OUT/inductor.tgz"
@@ -92,7 +93,7 @@ fp8)  # 1 GPU: extraction into an fp8 store (quantized on the GPU)
     --variants thread:3 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote'
   ;;
 layout)  # x2: the design card's layout, stage one on GPU 0 while stage two follows on GPU 1
-  timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape qwen3-8b --samples 768 --words 1400 --steps 60 \
+  timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape $SHAPE --samples 768 --words 1400 --steps 60 \
     2>&1 | tee "$OUT/layout.log" | tail -n 2
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
     tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40 > "$OUT/layout_$(basename "$f")"
