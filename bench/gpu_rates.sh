@@ -96,8 +96,8 @@ layout)  # x2: the design card's layout, stage one on GPU 0 while stage two foll
   timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape $SHAPE --samples 768 --words 1400 --steps 60 \
     2>&1 | tee "$OUT/layout.log" | tail -n 2
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
-    tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40 > "$OUT/layout_$(basename "$f")"
-  done
+    echo "== $(basename "$f")"; tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40
+  done > "$OUT/layout_phases.log"  # one file: at most 8 come back
   pkill -9 -f "[-]m (extract|train) " || true  # a phase cut by the limit must not keep its GPU
   ;;
 esac
