@@ -250,17 +250,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cnt_sum = torch.zeros(cfg.block_size, device=device)
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
     loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
-    epoch = start_epoch
-    position = (start_epoch, skip)
-    done = step >= total
-    while not done and epoch < cfg.epochs:
-        if cfg.follow:
-            reader.refresh()
-            while epoch == cfg.epochs - 1 and not reader.finalized:  # the last epoch sees everything
-                time.sleep(1.0)
-                reader.refresh()
+    def loader(epoch: int, first: int):
+        """This rank's micro-batches of an epoch from step `first` on: (the epoch's steps, a started iterator)."""
         steps = steps_in(epoch)
-        first = skip if epoch == start_epoch else 0
         micro = [mb for s in steps[first:] for mb in s[rank * cfg.grad_accum:(rank + 1) * cfg.grad_accum]]
         keys = [(first + i // cfg.grad_accum) * world * cfg.grad_accum + rank * cfg.grad_accum + i % cfg.grad_accum
                 for i in range(len(micro))]
@@ -270,8 +262,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,
                                          pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
                                          persistent_workers=False)
-        it = iter(dl)
+        return steps, iter(dl)
+
+    epoch = start_epoch
+    position = (start_epoch, skip)
+    done = step >= total
+    ahead = None  # the next epoch's loader, started two steps before this epoch ends
+    while not done and epoch < cfg.epochs:
+        if cfg.follow:
+            reader.refresh()
+            while epoch == cfg.epochs - 1 and not reader.finalized:  # the last epoch sees everything
+                time.sleep(1.0)
+                reader.refresh()
+        first = skip if epoch == start_epoch else 0
+        steps, it = ahead or loader(epoch, first)
+        ahead = None
         for s_idx in range(first, len(steps)):
+            # Fresh workers need seconds for their first batch: at every epoch start the GPU waited
+            # (8-20% of a 20-step log row in the real-target runs). The next epoch's workers start now.
+            # Not in follow mode: there the next epoch's plan depends on what is committed by then.
+            if (s_idx == len(steps) - 2 and cfg.workers and not cfg.follow and epoch + 1 < cfg.epochs
+                    and step + 2 < total):
+                ahead = loader(epoch + 1, 0)
             opt.zero_grad(set_to_none=True)
             for a in range(cfg.grad_accum):
                 t_wait = time.time()
@@ -316,7 +328,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             if step >= total:
                 done = True
                 break
-        del it, dl
+        del it
         if not done:
             position = (epoch + 1, 0)
         epoch += 1
