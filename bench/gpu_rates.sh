@@ -6,9 +6,10 @@
 #   bash bench/gpu_rates.sh profile    # 1 GPU: the same eager, with torch.profiler's top CUDA ops
 #   bash bench/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
 #   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
-#   bash bench/gpu_rates.sh ddp1 probe wait savecache  # x2 cold: 1-GPU compiled run on GPU 0 (400 s) while GPU 1 times the
-#                                      #   cold compiles (bench/compile_probe.py, own cache dirs)
-#   bash bench/gpu_rates.sh ddp2       # x2 warm, next call: 2 GPUs on the same store; scaling vs ddp1's rate
+#   bash bench/gpu_rates.sh ddp1 probe wait ddp2 savecache  # x2 cold, one call with TL1=300 TL2=200: the 1-GPU
+#                                      #   compiled run on GPU 0 while GPU 1 times the cold compiles
+#                                      #   (bench/compile_probe.py, own cache dirs), then 2 GPUs, warm
+#   bash bench/gpu_rates.sh ddp2       # x2 warm (same call or the next): 2 GPUs, same store; scaling vs ddp1's rate
 #   bash bench/gpu_rates.sh savecache  # the inductor cache as $OUT/inductor.tgz, to carry to a fresh machine
 #   bash bench/gpu_rates.sh fp8        # 1 GPU: extraction rate into an fp8 store
 #   bash bench/gpu_rates.sh layout     # x2: extract on GPU 0 while train --follow runs on GPU 1
@@ -18,14 +19,14 @@ set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/root/inductor
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ -f .devcarry/inductor.tgz ] && [ ! -d /root/inductor ]; then mkdir -p /root/inductor && tar xzf .devcarry/inductor.tgz -C /root/inductor; fi
 SHAPE=${SHAPE:-qwen3-8b}  # qwen3-32b for the 8-GPU runs of issue 7
 XB="--shape $SHAPE --batches 24 --batch 8 --seq 2048"
 DB=${DB:-"--shape $SHAPE --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"}  # env: a CPU smoke run
-ddp_files() {  # metrics and the log's tail of each run, back in $OUT
-  for g in "$@"; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; \
-    tr '\r' '\n' < /tmp/draftcache_ddp_bench/g$g/run.log | grep -v '^\s*$' | tail -n 15 > "$OUT/ddp_g$g.log"; done
+ddp_files() {  # metrics and the log's tail of each run, back in $OUT (log tails in one file: 8 files come back)
+  for g in "$@"; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; echo "== g$g"; \
+    tr '\r' '\n' < /tmp/draftcache_ddp_bench/g$g/run.log | grep -v '^\s*$' | tail -n 15; done >> "$OUT/ddp_logs.log"
 }
 for stage in "${@:-extract}"; do
 case "$stage" in
@@ -93,7 +94,7 @@ fp8)  # 1 GPU: extraction into an fp8 store (quantized on the GPU)
     --variants thread:3 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote'
   ;;
 layout)  # x2: the design card's layout, stage one on GPU 0 while stage two follows on GPU 1
-  timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape $SHAPE --samples 768 --words 1400 --steps 60 \
+  timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape $SHAPE --samples 1024 --words 1400 --steps 150 --compile \
     2>&1 | tee "$OUT/layout.log" | tail -n 2
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
     echo "== $(basename "$f")"; tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40

@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--skip-rows", type=int, default=2)
+    ap.add_argument("--compile", action="store_true",
+                    help="train with --compile (the same graphs as gpu_rates.sh ddp1, so its inductor cache serves)")
     a = ap.parse_args()
     d = Path(a.dir)
     shutil.rmtree(d, ignore_errors=True)
@@ -101,7 +103,7 @@ def main() -> None:
     x = ["extract", "--target", str(d / "target"), "--data", str(d / "data.jsonl"), "--max-len", str(a.max_len),
          "--token-budget", str(max(a.max_len, 16384)), "--min-supervised", "32", "--dtype", a.dtype, "--json"]
     t = ["train", "--num-layers", str(a.layers), "--token-budget", str(a.token_budget), "--max-steps", str(a.steps),
-         "--epochs", "1000", "--log-every", "5", "--workers", str(a.workers)]
+         "--epochs", "1000", "--log-every", "5", "--workers", str(a.workers), *(["--compile"] if a.compile else [])]
     finish(launch([*x, "--store", str(d / "A.zarr")], 0, d / "A.log"), d / "A.log")
     print(f"A done at {time.time() - t0:.0f} s", flush=True)
     finish(launch([*t, "--store", str(d / "A.zarr"), "--out", str(d / "Crun")], 1, d / "C.log"), d / "C.log")
