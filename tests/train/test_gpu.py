@@ -58,3 +58,10 @@ def test_flex_block_mask_equals_dense_mask_on_gpu():
     b, qi, ki = torch.meshgrid(torch.arange(2, device="cuda"), torch.arange(q, device="cuda"),
                                torch.arange(kv, device="cuda"), indexing="ij")
     assert torch.equal(bm.mask_mod(b, torch.zeros_like(b), qi, ki), dense_mask(anchors, 40, 16))
+    # the tiles built from the anchors are the ones create_block_mask finds on the device
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ref = create_block_mask(bm.mask_mod, B=2, H=None, Q_LEN=q, KV_LEN=kv, device="cuda", BLOCK_SIZE=16)
+    ours = flex_block_mask(anchors, 40, 16, tile=16)
+    assert torch.equal(ours.to_dense(), ref.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
