@@ -250,6 +250,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     cnt_sum = torch.zeros(cfg.block_size, device=device)
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
     loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
+
     def loader(epoch: int, first: int):
         """This rank's micro-batches of an epoch from step `first` on: (the epoch's steps, a started iterator)."""
         steps = steps_in(epoch)
