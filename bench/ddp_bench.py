@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import SHAPES, flops_per_step, make_store  # noqa: E402
+from train_bench import bench_batches, drafter_config, flops_per_step, make_store  # noqa: E402
 
 from cache_format import StoreReader  # noqa: E402
 
@@ -132,21 +132,10 @@ def main() -> None:
 def flops_per_position(a: argparse.Namespace) -> float:
     """Model FLOPs per supervised draft position, counted as bench/train_bench.py counts them, over the first
     epoch's first batches (this bench's samples all have one length, so every batch costs the same)."""
-    from train.data import BatchDataset, plan_epoch
-    from train.model import DrafterConfig
-
-    h, inter, nh, nkv, hd, v = SHAPES[a.shape]
-    dc = DrafterConfig(hidden_size=h, intermediate_size=inter, num_layers=a.layers, num_heads=nh, num_kv_heads=nkv,
-                       head_dim=hd, vocab_size=v, num_taps=5, block_size=16, mask_token_id=v - 1, rope_theta=1e6)
-    r = StoreReader(a.store)
-    steps = plan_epoch(r.sample_ids, r.lengths(), r.buckets(), token_budget=a.token_budget, seed=0, epoch=0,
-                       ranks=1, grad_accum=1)[:4]
-    ds = BatchDataset(a.store, [s[0] for s in steps], list(range(len(steps))), tap_index=[0, 1, 2, 3, 4],
-                      num_stored_taps=5, num_anchors=512, block_size=16, mask_token_id=dc.mask_token_id, seed=0,
-                      epoch=0, with_teacher=False)
-    batches = [ds[i] for i in range(len(steps))]
+    dc = drafter_config(a.shape, a.layers)
+    ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=512, count=4)
+    batches = [ds[i] for i in range(len(ds))]
     return sum(flops_per_step(dc, b, 512) for b in batches) / sum(int((b["labels"] != -100).sum()) for b in batches)
-
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store, write_frozen
+from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, TargetInfo, create_store, finalize_store, write_frozen
 from train.config import LOSS_BACKWARDS
 from train.data import BatchDataset, plan_epoch
 from train.model import DFlashDrafter, DrafterConfig
@@ -52,6 +52,25 @@ def make_store(path: str, shape: str, samples: int, seq: int) -> Manifest:
                   hidden=pool)
     finalize_store(path, m)
     return m
+
+
+def drafter_config(shape: str, layers: int) -> DrafterConfig:
+    """The benched drafter: the shape's dims, 5 taps, block 16 (what `python -m train` builds from make_store's store)."""
+    h, inter, nh, nkv, hd, v = SHAPES[shape]
+    return DrafterConfig(hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=nh, num_kv_heads=nkv,
+                         head_dim=hd, vocab_size=v, num_taps=5, block_size=16, mask_token_id=v - 1, rope_theta=1e6)
+
+
+def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: int, count: int) -> BatchDataset:
+    """`count` micro-batches of epoch 0's plan (cycled if it has fewer), as the trainer's DataLoader reads them."""
+    r = StoreReader(store)
+    steps = plan_epoch(r.sample_ids, r.lengths(), r.buckets(), token_budget=token_budget, seed=0, epoch=0,
+                       ranks=1, grad_accum=1)
+    micro = [s[0] for s in steps]
+    micro = (micro * (count // max(1, len(micro)) + 1))[:count]
+    return BatchDataset(store, micro, list(range(len(micro))), tap_index=[0, 1, 2, 3, 4], num_stored_taps=5,
+                        num_anchors=anchors, block_size=16, mask_token_id=dc.mask_token_id, seed=0, epoch=0,
+                        with_teacher=False)
 
 
 def flops_per_step(dc: DrafterConfig, batch: dict, anchors_per_seq: int) -> float:
@@ -87,25 +106,13 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     make_store(a.store, a.shape, a.samples, a.seq)
-    h, inter, nh, nkv, hd, v = SHAPES[a.shape]
-    dc = DrafterConfig(hidden_size=h, intermediate_size=inter, num_layers=a.layers, num_heads=nh, num_kv_heads=nkv,
-                       head_dim=hd, vocab_size=v, num_taps=5, block_size=16, mask_token_id=v - 1, rope_theta=1e6)
-    from cache_format import StoreReader
-
-    r = StoreReader(a.store)
-    fr = r.frozen()
+    dc = drafter_config(a.shape, a.layers)
+    fr = StoreReader(a.store).frozen()
     model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"]).to(dev)
     if a.compile:
         model.compile_layers()
     opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)  # what python -m train uses
-    steps = plan_epoch(r.sample_ids, r.lengths(), r.buckets(), token_budget=a.token_budget, seed=0, epoch=0,
-                       ranks=1, grad_accum=1)
-    micro = [s[0] for s in steps]
-    need = a.steps + a.warmup
-    micro = (micro * (need // max(1, len(micro)) + 1))[:need]
-    ds = BatchDataset(a.store, micro, list(range(len(micro))), tap_index=[0, 1, 2, 3, 4], num_stored_taps=5,
-                      num_anchors=a.anchors, block_size=16, mask_token_id=dc.mask_token_id, seed=0, epoch=0,
-                      with_teacher=False)
+    ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup)
     use_flex = dev.type == "cuda"
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
@@ -118,7 +125,7 @@ def main() -> None:
         return out
 
     # (a) in GPU memory
-    gpu = [{k: t.to(dev) for k, t in ds[i].items()} for i in range(len(micro))]
+    gpu = [{k: t.to(dev) for k, t in ds[i].items()} for i in range(len(ds))]
     for b in gpu[: a.warmup]:
         step(b)
     sync()
