@@ -23,6 +23,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ -f .devcarry/inductor.tgz ] && [ ! -d /root/inductor ]; then mkdir -p /root/inductor && tar xzf .devcarry/inductor.tgz -C /root/inductor; fi
 SHAPE=${SHAPE:-qwen3-8b}  # qwen3-32b for the 8-GPU runs of issue 7
 XB="--shape $SHAPE --batches 24 --batch 8 --seq 2048"
+TB="--shape $SHAPE --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr"
 DB=${DB:-"--shape $SHAPE --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"}  # env: a CPU smoke run
 ddp_files() {  # metrics and the log's tail of each run, back in $OUT (log tails in one file: 8 files come back)
   for g in "$@"; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; echo "== g$g"; \
@@ -43,17 +44,15 @@ extract)
   ;;
 train)  # 1 GPU, one run at a time, compiled: the fused loss (default) at two token budgets, then kept logits
   # (the 47.2% MFU run of 2026-11-30). The first compiled run fills the inductor cache if it is cold.
-  TB="--shape $SHAPE --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr --compile"
-  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/train_bench.py $TB --token-budget 4096 2>&1 \
+  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/train_bench.py $TB --compile --token-budget 4096 2>&1 \
     | tee "$OUT/train_fused_4096.log" | grep '^{'
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --token-budget 8192 2>&1 \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --compile --token-budget 8192 2>&1 \
     | tee "$OUT/train_fused_8192.log" | grep '^{'
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --token-budget 4096 --loss-backward keep \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --compile --token-budget 4096 --loss-backward keep \
     --loss-chunk 8192 2>&1 | tee "$OUT/train_keep_4096.log" | grep '^{'
   ;;
 profile)  # 1 GPU: eager, fused loss, torch.profiler's top CUDA ops over 2 steps
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py --shape $SHAPE --samples 24 --seq 2048 --steps 12 \
-    --warmup 3 --token-budget 4096 --workers 4 --store /dev/shm/tb.zarr --profile 2 2>&1 \
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --token-budget 4096 --profile 2 2>&1 \
     | tee "$OUT/train_eager_profile.log" | grep -A30 "Self CUDA" | cut -c1-160
   ;;
 small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs compiled
