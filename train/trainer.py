@@ -322,10 +322,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 acc_sum.zero_(), cnt_sum.zero_()
                 loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
             position = (epoch, s_idx + 1)
+            t_pause = time.time()
             if val_ds is not None and step % cfg.val_every == 0:
                 validate()
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 checkpoint(*position)
+            # a row rates training steps: the seconds of validation and checkpoints are not in it
+            t_log += time.time() - t_pause
             if step >= total:
                 done = True
                 break

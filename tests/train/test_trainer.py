@@ -164,3 +164,21 @@ def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss):
     assert all("loss" in r for r in rows if "val_loss" not in r)  # training rows are unchanged
     with pytest.raises(ValueError, match="follow"):
         _cfg(store, tmp_path / "w", val_samples=4, follow=True)
+
+
+def test_validation_time_is_not_in_the_training_rate(store, tmp_path, monkeypatch):
+    # a slow held-out pass (1.5 s, ~10x a row of 5 tiny steps) must not show as slow training in the next row
+    import time
+
+    import train.trainer as trainer
+
+    scored = trainer.evaluate_holdout
+
+    def slow(*args, **kwargs):
+        time.sleep(1.5)
+        return scored(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "evaluate_holdout", slow)
+    train(_cfg(store, tmp_path / "v", max_steps=15, val_samples=4, val_every=10))
+    rate = {r["step"]: r["positions_per_s"] for r in _metrics(tmp_path / "v") if "positions_per_s" in r}
+    assert rate[15] > 0.3 * rate[10], rate  # without the exclusion: ~0.1
