@@ -98,6 +98,7 @@ layout)  # x2: the design card's layout, stage one on GPU 0 while stage two foll
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
     echo "== $(basename "$f")"; tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40
   done > "$OUT/layout_phases.log"  # one file: at most 8 come back
+  for r in B C; do cp /dev/shm/draftcache_layout_bench/${r}run/metrics.jsonl "$OUT/layout_${r}run.jsonl" 2>/dev/null; done
   pkill -9 -f "[-]m (extract|train) " || true  # a phase cut by the limit must not keep its GPU
   ;;
 esac

@@ -115,9 +115,12 @@ def main() -> None:
     finish(pb_t, d / "Bt.log")
     ax, bx = extract_rate(d / "A.log"), extract_rate(d / "Bx.log")
     bt, ct = steady_rate(d / "Brun", a.skip_rows), steady_rate(d / "Crun", a.skip_rows)
+    # a following trainer slower than alone: waiting on the store (data wait) or on a shared host (not)
+    bw, cw = (steady_rate(d / r, a.skip_rows, "data_wait_frac") for r in ("Brun", "Crun"))
     print(json.dumps({"shape": a.shape, "extract_tok_s_alone": ax, "extract_tok_s_with_training": bx,
                       "extract_ratio": bx / ax, "train_pos_s_alone": ct, "train_pos_s_following": bt,
-                      "train_ratio": bt / ct, "wall_s": time.time() - t0}))
+                      "train_ratio": bt / ct, "train_data_wait_alone": cw, "train_data_wait_following": bw,
+                      "wall_s": time.time() - t0}))
 
 
 if __name__ == "__main__":
