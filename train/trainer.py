@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -21,6 +22,7 @@ from cache_format import StoreReader
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
 from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout
+from train.follow import StoreView, agree_view, view_of, wait_for_store
 from train.losses import LossOut, acceptance_from_acc, default_gamma, draft_loss
 from train.masks import dense_mask, flex_block_mask
 from train.metrics import MetricsLog, plot_metrics
@@ -116,19 +118,6 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     return {"val_loss": float(stats[-2] / stats[-1].clamp(min=1e-12)), "val_acc": a, "val_sim_tau": acceptance_from_acc(a)}
 
 
-def _wait_for_store(root: Path, *, announce: bool) -> None:
-    """Block until stage one has created the store and saved the frozen target parts (the last
-    things it writes before any sample), so `make extract` and `make train --follow` can start together."""
-    from cache_format.layout import FROZEN_FILE
-
-    said = False
-    while not ((root / "zarr.json").exists() and (root / FROZEN_FILE).exists()):
-        if announce and not said:
-            print(f"waiting for stage one to create {root} ...", flush=True)
-            said = True
-        time.sleep(1.0)
-
-
 def _lr_lambda(total: int, warmup: float):
     w = max(1, int(total * warmup))
 
@@ -158,7 +147,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     # ------------------------------------------------------------------ store and model
     if cfg.follow:  # started beside stage one: the store may not exist yet
-        _wait_for_store(Path(cfg.store), announce=rank == 0)
+        wait_for_store(Path(cfg.store), announce=rank == 0)
     reader = StoreReader(cfg.store)
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
@@ -176,25 +165,36 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     except ValueError as e:
         raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
 
-    def steps_in(epoch: int) -> list[list[list[int]]]:
+    def steps_in(epoch: int, view: StoreView) -> list[list[list[int]]]:
         ids, lens, bks = reader.sample_ids, reader.lengths(), reader.buckets()
+        keep = np.isin(ids, view.sample_ids)  # in follow mode the reader may hold more than the ranks agreed on
         if held is not None:
-            ids, lens, bks = ids[~held], lens[~held], bks[~held]
-        return plan_epoch(ids, lens, bks, token_budget=cfg.token_budget, seed=cfg.seed, epoch=epoch, ranks=world,
-                          grad_accum=cfg.grad_accum)
+            keep &= ~held
+        return plan_epoch(ids[keep], lens[keep], bks[keep], token_budget=cfg.token_budget, seed=cfg.seed, epoch=epoch,
+                          ranks=world, grad_accum=cfg.grad_accum)
 
+    def share(obj: list) -> list:  # rank 0's object on every rank
+        if world > 1:
+            dist.broadcast_object_list(obj, src=0)
+        return obj
+
+    def follow_view(epoch: int) -> StoreView:  # the last epoch sees everything: it waits for the finalized store
+        return agree_view(reader, rank=rank, wait_final=epoch == cfg.epochs - 1, share=share)
+
+    view = view_of(reader)
     if cfg.follow:
-        while len(reader) == 0:
+        view = follow_view(0)
+        while len(view.sample_ids) == 0:
             time.sleep(1.0)
-            reader.refresh()
+            view = follow_view(0)
     # In follow mode the store grows: scale the first plan by records expected / records seen.
-    per_epoch = len(steps_in(0))
-    if per_epoch == 0 and reader.finalized:  # else it would train 0 steps and say nothing was wrong
+    per_epoch = len(steps_in(0, view))
+    if per_epoch == 0 and view.finalized:  # else it would train 0 steps and say nothing was wrong
         raise ValueError(f"{cfg.store}: {len(reader)} samples make fewer micro-batches of --token-budget "
                          f"{cfg.token_budget} than one step needs ({world} ranks x --grad-accum {cfg.grad_accum}); "
                          "lower the token budget or use fewer ranks")
-    if not reader.finalized:
-        per_epoch = int(per_epoch * reader.manifest.dataset.num_records / max(1, len(reader))) + 1
+    if not view.finalized:
+        per_epoch = int(per_epoch * reader.manifest.dataset.num_records / max(1, len(view.sample_ids))) + 1
     total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, cfg.warmup))
     step, start_epoch, skip = 0, 0, 0
@@ -252,9 +252,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
     loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
 
-    def loader(epoch: int, first: int):
+    def loader(epoch: int, first: int, view: StoreView):
         """This rank's micro-batches of an epoch from step `first` on: (the epoch's steps, a started iterator)."""
-        steps = steps_in(epoch)
+        steps = steps_in(epoch, view)
         micro = [mb for s in steps[first:] for mb in s[rank * cfg.grad_accum:(rank + 1) * cfg.grad_accum]]
         keys = [(first + i // cfg.grad_accum) * world * cfg.grad_accum + rank * cfg.grad_accum + i % cfg.grad_accum
                 for i in range(len(micro))]
@@ -271,21 +271,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     done = step >= total
     ahead = None  # the next epoch's loader, started two steps before this epoch ends
     while not done and epoch < cfg.epochs:
-        if cfg.follow:
-            reader.refresh()
-            while epoch == cfg.epochs - 1 and not reader.finalized:  # the last epoch sees everything
-                time.sleep(1.0)
-                reader.refresh()
+        if cfg.follow and ahead is None:
+            view = follow_view(epoch)
         first = skip if epoch == start_epoch else 0
-        steps, it = ahead or loader(epoch, first)
+        steps, it = ahead or loader(epoch, first, view)
         ahead = None
         for s_idx in range(first, len(steps)):
             # Fresh workers need seconds for their first batch: at every epoch start the GPU waited
-            # (8-20% of a 20-step log row in the real-target runs). The next epoch's workers start now.
-            # Not in follow mode: there the next epoch's plan depends on what is committed by then.
-            if (s_idx == len(steps) - 2 and cfg.workers and not cfg.follow and epoch + 1 < cfg.epochs
-                    and step + 2 < total):
-                ahead = loader(epoch + 1, 0)
+            # (8-20% of a 20-step log row in the real-target runs). The next epoch's workers start now;
+            # in follow mode from what is committed now, except for the last epoch, which waits for it all.
+            if (s_idx == len(steps) - 2 and cfg.workers and epoch + 1 < cfg.epochs and step + 2 < total
+                    and not (cfg.follow and epoch + 1 == cfg.epochs - 1)):
+                if cfg.follow:
+                    view = follow_view(epoch + 1)
+                ahead = loader(epoch + 1, 0, view)
             opt.zero_grad(set_to_none=True)
             for a in range(cfg.grad_accum):
                 t_wait = time.time()

@@ -137,6 +137,26 @@ def test_follow_mode_trains_while_stage_one_writes(tmp_path):
     assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
 
 
+def test_two_rank_follow_mode_agrees_on_the_growing_store(tmp_path):
+    # the agreed view end to end (2 gloo ranks, DataLoader workers, next epoch planned ahead): both ranks
+    # finish, the last epoch on the finalized store. Whether unagreed ranks would diverge here depends
+    # on timing, so the race itself is tested in test_follow.py against a scripted reader.
+    path = tmp_path / "s.zarr"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    writer = subprocess.Popen([sys.executable, "-m", "tests.train.follow_writer", str(path), "60", "4"], cwd=ROOT, env=env)
+    args = ["--store", str(path), "--out", str(tmp_path / "run"), "--num-layers", "1", "--block-size", "4",
+            "--num-anchors", "8", "--epochs", "3", "--token-budget", "128", "--log-every", "1", "--workers", "1",
+            "--follow"]
+    try:
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        writer.wait(60)
+    assert writer.returncode == 0 and p.returncode == 0, p.stderr[-3000:]
+    rows = _metrics(tmp_path / "run")
+    assert rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
+
+
 @pytest.mark.slow
 def test_compiled_layers_train_like_eager(store, tmp_path):
     # --compile fuses the layers with inductor (CPU here): same losses, and checkpoints keep the eager names

@@ -1,0 +1,70 @@
+"""Training from a store that stage one is still writing (`--follow`): waiting for the store to
+appear, and the one set of committed samples that every rank plans an epoch from."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cache_format import StoreReader
+
+__all__ = ["StoreView", "agree_view", "view_of", "wait_for_store"]
+
+
+@dataclass(frozen=True)
+class StoreView:
+    """The samples an epoch is planned from."""
+
+    sample_ids: np.ndarray  # [n] int64, sorted
+    finalized: bool  # the store was finalized when these were read: nothing more will come
+
+
+def view_of(reader: StoreReader) -> StoreView:
+    """What this process's reader holds now (a finalized store, or one rank)."""
+    return StoreView(np.sort(reader.sample_ids), reader.finalized)
+
+
+def wait_for_store(root: Path, *, announce: bool, poll_s: float = 1.0) -> None:
+    """Block until stage one has created the store and saved the frozen target parts (the last
+    things it writes before any sample), so `make extract` and `make train --follow` can start together."""
+    from cache_format.layout import FROZEN_FILE
+
+    said = False
+    while not ((root / "zarr.json").exists() and (root / FROZEN_FILE).exists()):
+        if announce and not said:
+            print(f"waiting for stage one to create {root} ...", flush=True)
+            said = True
+        time.sleep(poll_s)
+
+
+def agree_view(reader: StoreReader, *, rank: int, wait_final: bool, share: Callable[[list], list],
+               poll_s: float = 0.5) -> StoreView:
+    """Rank 0's view of the store, once every rank's reader holds all of it.
+
+    Ranks poll the store at different moments. Plans built from different committed sets give the
+    ranks different steps, and DDP then hangs in an all-reduce that one rank never reaches. So rank 0
+    refreshes (for the last epoch it first waits for the store to be finalized), `share` hands its
+    view to every rank (dist.broadcast_object_list; the identity on one rank), and every other rank
+    refreshes until its reader holds each of those samples. A rank that has seen more than rank 0
+    plans from rank 0's set all the same.
+    """
+    if rank == 0:
+        while True:
+            final = reader.finalized  # read before the refresh: a finalized store's last shards are then seen
+            reader.refresh()
+            if final or not wait_final:
+                break
+            time.sleep(poll_s)
+        mine: list = [np.sort(reader.sample_ids), final]
+    else:
+        reader.refresh()
+        mine = [None, None]
+    ids, final = share(mine)
+    while not np.isin(ids, reader.sample_ids).all():
+        time.sleep(poll_s)
+        reader.refresh()
+    return StoreView(ids, bool(final))
