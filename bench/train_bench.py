@@ -21,7 +21,7 @@ import torch
 
 from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, TargetInfo, create_store, finalize_store, write_frozen
 from train.config import LOSS_BACKWARDS
-from train.data import BatchDataset, plan_epoch
+from train.data import BatchDataset, plan_epoch, to_device
 from train.model import DFlashDrafter, DrafterConfig
 from train.trainer import forward_backward, make_optimizer
 
@@ -155,15 +155,16 @@ def main() -> None:
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers, pin_memory=dev.type == "cuda",
                                      prefetch_factor=4 if a.workers else None)
     it = iter(dl)
+    copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None  # as the trainer copies its batches
     for _ in range(a.warmup):
-        step({k: t.to(dev, non_blocking=True) for k, t in next(it).items()})
+        step(to_device(next(it), dev, copy_stream))
     sync()
     t0, wait = time.perf_counter(), 0.0
     for _ in range(a.steps):
         tw = time.perf_counter()
         b = next(it)
         wait += time.perf_counter() - tw
-        step({k: t.to(dev, non_blocking=True) for k, t in b.items()})
+        step(to_device(b, dev, copy_stream))
     sync()
     t_store = time.perf_counter() - t0
     print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",

@@ -14,7 +14,7 @@ import torch
 from cache_format import StoreReader
 from train.anchors import IGNORE, build_blocks, sample_anchors
 
-__all__ = ["BatchDataset", "collate", "holdout_mask", "plan_epoch", "plan_holdout"]
+__all__ = ["BatchDataset", "collate", "holdout_mask", "plan_epoch", "plan_holdout", "to_device"]
 
 
 def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, *, token_budget: int, seed: int,
@@ -123,4 +123,23 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
            "block_ids": ids, "block_pos": pos, "labels": labels}
     if teacher is not None:
         out["teacher"] = teacher
+    return out
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device,
+              copy_stream: torch.cuda.Stream | None = None) -> dict[str, torch.Tensor]:
+    """A (pinned) host batch on `device`; on a GPU the copy runs on `copy_stream`.
+
+    The training loop enqueues its steps ahead of the GPU. A copy on the compute stream waits behind
+    the step before it (~170 MB of hidden states per 4096 tokens at the 8B shape, milliseconds). On a
+    side stream it overlaps that step, and the compute stream waits only for the copy itself.
+    """
+    if copy_stream is None:
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    compute = torch.cuda.current_stream(device)
+    with torch.cuda.stream(copy_stream):
+        out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    compute.wait_stream(copy_stream)
+    for v in out.values():
+        v.record_stream(compute)  # allocated on the copy stream, used on the compute stream: not freed early
     return out

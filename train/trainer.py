@@ -21,7 +21,7 @@ from tqdm import tqdm
 from cache_format import StoreReader
 from train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
-from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout
+from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout, to_device
 from train.follow import StoreView, agree_view, view_of, wait_for_store
 from train.losses import LossOut, acceptance_from_acc, default_gamma, draft_loss
 from train.masks import dense_mask, flex_block_mask
@@ -266,6 +266,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                          persistent_workers=False)
         return steps, iter(dl)
 
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # host-to-GPU batch copies
     epoch = start_epoch
     position = (start_epoch, skip)
     done = step >= total
@@ -288,7 +289,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             for a in range(cfg.grad_accum):
                 t_wait = time.time()
-                batch = {k: v.to(device, non_blocking=True) for k, v in next(it).items()}
+                batch = to_device(next(it), device, copy_stream)
                 wait += time.time() - t_wait
                 sync = (a == cfg.grad_accum - 1) or world == 1
                 with ddp.no_sync() if not sync else contextlib.nullcontext():

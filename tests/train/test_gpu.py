@@ -65,3 +65,18 @@ def test_flex_block_mask_equals_dense_mask_on_gpu():
     ours = flex_block_mask(anchors, 40, 16, tile=16)
     assert torch.equal(ours.to_dense(), ref.to_dense())
     assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+
+
+def test_side_stream_copies_arrive_before_the_step_reads_them():
+    # batches from pinned host memory, copied on a side stream while the compute stream is busy with a
+    # long matmul chain; each step reads its batch right away: every value must be the host's
+    from train.data import to_device
+
+    dev, side = torch.device("cuda"), torch.cuda.Stream()
+    busy = torch.randn(4096, 4096, device=dev)
+    for i in range(5):
+        host = {"x": torch.full((16, 4096, 1024), float(i)).pin_memory(), "y": torch.arange(4096).pin_memory()}
+        for _ in range(20):
+            busy = busy @ busy / busy.norm()  # keep the compute stream behind the CPU
+        got = to_device(host, dev, side)
+        assert bool((got["x"] == i).all()) and torch.equal(got["y"].cpu(), host["y"])
