@@ -59,4 +59,3 @@ def test_plan_depends_on_the_sample_set_not_the_index_order():
     a = plan_epoch(ids, lengths, buckets, token_budget=1024, seed=1, epoch=0, ranks=2, grad_accum=1)
     b = plan_epoch(ids[perm], lengths[perm], buckets[perm], token_budget=1024, seed=1, epoch=0, ranks=2, grad_accum=1)
     assert a == b
-
