@@ -11,6 +11,8 @@
 # Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
 # STAGE=train resumes training and evaluates; STAGE=eval only evaluates; both while the machine is still warm).
+# DDP=1 trains RUN0 alone on both GPUs. A longer run over two calls on one warm machine:
+#   STEPS=2500 TLIM=380 DDP=1 bash bench/real_target.sh; then STEPS=2500 TLIM=420 DDP=1 STAGE=train bash bench/real_target.sh
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=/root/inductor
 OUT=${OUT:-/tmp/out}; W=/root/w; mkdir -p "$OUT" $W
@@ -51,18 +53,23 @@ for st in $STORES; do
   stamp extracted $name
 done
 fi
-runs=("$RUN0" "$RUN1")
+runs=("$RUN0" "$RUN1"); ids="0 1"
+# DDP=1: RUN0 alone, one drafter on both GPUs (torchrun, 16,384 tokens per rank: twice the samples a step)
+if [ "${DDP:-0}" = 1 ]; then ids=0; fi
 if [ "${STAGE:-all}" != eval ]; then
-for i in 0 1; do
+for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
-  CUDA_VISIBLE_DEVICES=$i timeout $TLIM python3 -m train --store /dev/shm/$store.zarr --out $W/run_$name --num-layers 3 \
+  if [ "${DDP:-0}" = 1 ]; then launch="torchrun --standalone --nproc-per-node 2"; else launch="python3"; fi
+  CUDA_VISIBLE_DEVICES=$([ "${DDP:-0}" = 1 ] && echo 0,1 || echo $i) timeout $TLIM $launch -m train \
+    --store /dev/shm/$store.zarr --out $W/run_$name --num-layers 3 \
     --epochs 20 --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
     --val-samples 200 --val-every 100 --compile $extra $([ -d $W/run_$name/checkpoints ] && echo --resume) \
     > $W/train_$name.log 2>&1 &
 done
 wait; stamp trained
+pkill -9 -f "[-]m train " || true  # a torchrun rank outliving its time limit must not hold a GPU during eval
 fi
-for i in 0 1; do
+for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
   # at most 8 files come back: metrics, the train log's tail and eval.json per run (plots are redrawn from
   # them: train.metrics.plot_metrics, train.eval._plot)
@@ -73,7 +80,7 @@ for i in 0 1; do
     > $W/eval_$name.log 2>&1 &
 done
 wait; stamp evaluated
-for i in 0 1; do
+for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
   tail -n 1 $W/eval_$name.log | cut -c1-1500; cp $W/run_$name/eval.json "$OUT/$name/" 2>/dev/null
 done
