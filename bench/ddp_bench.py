@@ -31,7 +31,7 @@ def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "-m", "train",
            "--store", store, "--out", out, "--num-layers", str(a.layers), "--token-budget", str(a.token_budget),
            "--max-steps", str(a.steps), "--epochs", "100", "--log-every", str(a.log_every), "--workers", str(a.workers),
-           *(["--compile"] if a.compile else [])]
+           "--grad-reduce", a.grad_reduce, *(["--compile"] if a.compile else [])]
     env = child_env()
     if gpus and os.environ.get("CUDA_VISIBLE_DEVICES") is None and a.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="train's DDP all-reduce dtype")
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="stop each run after this many seconds and rate the rows logged by then (0: no limit)")
     ap.add_argument("--reuse-store", action="store_true",
@@ -123,7 +124,7 @@ def main() -> None:
     base = a.base_rate or rates[min(rates)] / min(rates)
     fpp = flops_per_position(a)
     print(json.dumps({"shape": a.shape, "device": a.device, "layers": a.layers, "token_budget_per_rank": a.token_budget,
-                      "compile": a.compile, "positions_per_s": rates, "base_rate_1gpu": base,
+                      "compile": a.compile, "grad_reduce": a.grad_reduce, "positions_per_s": rates, "base_rate_1gpu": base,
                       "scaling_efficiency": {g: r / (g * base) for g, r in rates.items()},
                       "flops_per_position": fpp,
                       "mfu_per_gpu": {g: r * fpp / g / 1e12 / a.peak_tflops for g, r in rates.items()}}))

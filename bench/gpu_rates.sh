@@ -82,7 +82,7 @@ wait)  # join a background stage (ddp1) before the next
 ddp2)  # 2 GPUs, the store and compile cache of ddp1 (same machine, still warm); scaling against ddp1's rate
   BASE=${BASE:-$(python3 -c 'import json; print(json.loads(open("/tmp/ddp1.log").read().splitlines()[-1])["positions_per_s"]["1"])' 2>/dev/null || echo 0)}
   timeout 300 python3 bench/ddp_bench.py $DB --gpus $NGPU --reuse-store --base-rate ${BASE:-0} --time-limit ${TL2:-240} \
-    2>&1 | tee "$OUT/ddp2.log" | tail -n 3
+    ${DDP2_ARGS:-} 2>&1 | tee "$OUT/ddp2.log" | tail -n 3  # DDP2_ARGS="--grad-reduce bf16": half the all-reduce bytes
   ddp_files $NGPU
   ;;
 savecache)  # fits the 16 MiB a returned file may have, or says it does not

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from train.config import LOSS_BACKWARDS, TrainConfig
+from train.config import GRAD_REDUCES, LOSS_BACKWARDS, TrainConfig
 
 
 def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
@@ -60,6 +60,8 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--val-samples", default=0, show_default=True,
               help="Hold out N samples; log their teacher-forced val_loss/val_acc/val_sim_tau.")
 @click.option("--val-every", default=100, show_default=True, help="Steps between held-out evaluations.")
+@click.option("--grad-reduce", type=click.Choice(GRAD_REDUCES), default="fp32", show_default=True,
+              help="dtype of DDP's gradient all-reduce (bf16: half the bytes, rounded gradients).")
 def main(**kw) -> None:
     """Train a DFlash drafter from a store (DDP under torchrun; resumable)."""
     from cache_format import CacheFormatError

@@ -11,6 +11,8 @@ __all__ = ["TrainConfig"]
 
 # How the chunked lm_head + loss makes its gradients (train.losses.draft_loss).
 LOSS_BACKWARDS = ("fused", "recompute", "keep")
+# The dtype DDP all-reduces gradients in (train.trainer.data_parallel).
+GRAD_REDUCES = ("fp32", "bf16")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -75,6 +77,9 @@ class TrainConfig:
     (fixed anchors) are logged as val_* every val_every steps, to see overfitting."""
     val_every: int = 100
     """Steps between held-out evaluations (and one at the end)."""
+    grad_reduce: str = "fp32"
+    """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
+    rounded to bf16 and summed in bf16). One rank: no effect."""
 
     def __post_init__(self) -> None:
         if not self.store or not self.out:
@@ -99,6 +104,8 @@ class TrainConfig:
             raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
         if self.loss_backward not in LOSS_BACKWARDS:
             raise ValueError(f"loss_backward must be one of {LOSS_BACKWARDS}, got {self.loss_backward!r}")
+        if self.grad_reduce not in GRAD_REDUCES:
+            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}")
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention must be auto, flex or sdpa, got {self.attention!r}")
 

@@ -28,7 +28,7 @@ from train.masks import dense_mask, flex_block_mask
 from train.metrics import MetricsLog, plot_metrics
 from train.model import DFlashDrafter, DrafterConfig
 
-__all__ = ["build_drafter", "drafter_config", "train"]
+__all__ = ["build_drafter", "data_parallel", "drafter_config", "train"]
 
 
 def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig, list[int]]:
@@ -116,6 +116,28 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     model.train()
     a = (stats[:block_size] / stats[block_size:2 * block_size].clamp(min=1)).tolist()[1:]
     return {"val_loss": float(stats[-2] / stats[-1].clamp(min=1e-12)), "val_acc": a, "val_sim_tau": acceptance_from_acc(a)}
+
+
+def data_parallel(model: torch.nn.Module, *, grad_reduce: str) -> torch.nn.parallel.DistributedDataParallel:
+    """DDP over the initialised process group, all-reducing gradients in `grad_reduce` (fp32 or bf16)."""
+    # gradients as views of the all-reduce buckets: no copy into them each step, and 4 bytes a parameter less memory
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if grad_reduce == "bf16":
+        ddp.register_comm_hook(None, _bf16_all_reduce)
+    return ddp
+
+
+def _bf16_all_reduce(_state, bucket):  # no annotations: DDP checks them, and these would be strings here
+    """A DDP comm hook (bucket: dist.GradBucket -> Future of its tensor): the bucket's mean over ranks,
+    summed in bf16. PyTorch's own bf16 hook refuses anything but NCCL, and the CPU tests run gloo."""
+    buf = bucket.buffer()  # [n] fp32 gradients of this bucket
+    half = buf.to(torch.bfloat16).div_(dist.get_world_size())  # divided first: the sum stays in range
+    fut = dist.all_reduce(half, async_op=True).get_future()
+
+    def back(f):
+        return buf.copy_(f.value()[0])
+
+    return fut.then(back)
 
 
 def _lr_lambda(total: int, warmup: float):
@@ -207,8 +229,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         step, start_epoch, skip = saved["step"], saved["epoch"], saved["step_in_epoch"]
     if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
         model.compile_layers()
-    # gradients as views of the all-reduce buckets: no copy into them each step, and 4 bytes a parameter less memory
-    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True) if world > 1 else model
+    ddp = data_parallel(model, grad_reduce=cfg.grad_reduce) if world > 1 else model
     if cfg.attention == "flex" and device.type != "cuda":
         raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); use auto or sdpa")
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
