@@ -121,5 +121,5 @@ class TrainConfig:
 
 # Fields that may change on --resume without changing what is trained.
 RESUME_FREE = ("resume", "max_steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
-               "loss_chunk", "loss_backward",
+               "loss_chunk", "loss_backward", "grad_reduce",
                "follow", "compile", "out")
