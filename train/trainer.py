@@ -118,6 +118,11 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     return {"val_loss": float(stats[-2] / stats[-1].clamp(min=1e-12)), "val_acc": a, "val_sim_tau": acceptance_from_acc(a)}
 
 
+# Steps before an epoch's end at which the next epoch's DataLoader workers start (memory: one more
+# set of workers' prefetched batches for that long).
+AHEAD_STEPS = 8
+
+
 def data_parallel(model: torch.nn.Module, *, grad_reduce: str) -> torch.nn.parallel.DistributedDataParallel:
     """DDP over the initialised process group, all-reducing gradients in `grad_reduce` (fp32 or bf16)."""
     # gradients as views of the all-reduce buckets: no copy into them each step, and 4 bytes a parameter less memory
@@ -291,7 +296,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     epoch = start_epoch
     position = (start_epoch, skip)
     done = step >= total
-    ahead = None  # the next epoch's loader, started two steps before this epoch ends
+    ahead = None  # the next epoch's loader, started AHEAD_STEPS before this epoch ends
     while not done and epoch < cfg.epochs:
         if cfg.follow and ahead is None:
             view = follow_view(epoch)
@@ -300,10 +305,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         ahead = None
         for s_idx in range(first, len(steps)):
             # Fresh workers need seconds for their first batch: at every epoch start the GPU waited
-            # (8-20% of a 20-step log row in the real-target runs). The next epoch's workers start now;
-            # in follow mode from what is committed now, except for the last epoch, which waits for it all.
-            if (s_idx == len(steps) - 2 and cfg.workers and epoch + 1 < cfg.epochs and step + 2 < total
-                    and not (cfg.follow and epoch + 1 == cfg.epochs - 1)):
+            # (8-20% of a 20-step log row in the real-target runs), and with the workers started 2 steps
+            # early still up to 26% (SmolLM2 shape, 8 steps/s) and 9.9% (8B shape, DDP). The next epoch's
+            # workers start AHEAD_STEPS before this epoch ends; in follow mode from what is committed
+            # then, except for the last epoch, which waits for it all.
+            left = len(steps) - s_idx  # steps of this epoch still to run, this one included
+            if (s_idx == max(first, len(steps) - AHEAD_STEPS) and cfg.workers and epoch + 1 < cfg.epochs
+                    and step + left < total and not (cfg.follow and epoch + 1 == cfg.epochs - 1)):
                 if cfg.follow:
                     view = follow_view(epoch + 1)
                 ahead = loader(epoch + 1, 0, view)

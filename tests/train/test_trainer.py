@@ -53,10 +53,11 @@ def test_loss_falls_well_below_start(store, tmp_path):
 
 
 def test_resume_continues_identically(store, tmp_path):
+    # budget 256: ~12 steps an epoch, so the next epoch's workers start mid-epoch (AHEAD_STEPS before its end)
     full = tmp_path / "full"
-    train(_cfg(store, full, max_steps=30, checkpoint_every=10, workers=2))
+    train(_cfg(store, full, max_steps=30, checkpoint_every=10, workers=2, token_budget=256))
     part = tmp_path / "part"
-    train(_cfg(store, part, max_steps=30, checkpoint_every=10))
+    train(_cfg(store, part, max_steps=30, checkpoint_every=10, token_budget=256))
     # cut the second run back to its step-10 checkpoint, as if killed there, and resume
     for ck in (part / "checkpoints").glob("step-*"):
         if ck.name != "step-10":
@@ -65,7 +66,7 @@ def test_resume_continues_identically(store, tmp_path):
             shutil.rmtree(ck)
     lines = (part / "metrics.jsonl").read_text().splitlines()
     (part / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    train(_cfg(store, part, max_steps=30, checkpoint_every=10, resume=True))
+    train(_cfg(store, part, max_steps=30, checkpoint_every=10, resume=True, token_budget=256))
     a, b = _metrics(full), _metrics(part)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
