@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_bench import bench_batches, drafter_config, flops_per_step, make_store  # noqa: E402
 
 from cache_format import StoreReader  # noqa: E402
+from train.config import GRAD_REDUCES  # noqa: E402
 
 
 def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:
@@ -106,7 +107,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="train's DDP all-reduce dtype")
+    ap.add_argument("--grad-reduce", default="fp32", choices=GRAD_REDUCES, help="train's DDP all-reduce dtype")
     ap.add_argument("--time-limit", type=float, default=0.0,
                     help="stop each run after this many seconds and rate the rows logged by then (0: no limit)")
     ap.add_argument("--reuse-store", action="store_true",
@@ -137,6 +138,7 @@ def flops_per_position(a: argparse.Namespace) -> float:
     ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=512, count=4)
     batches = [ds[i] for i in range(len(ds))]
     return sum(flops_per_step(dc, b, 512) for b in batches) / sum(int((b["labels"] != -100).sum()) for b in batches)
+
 
 if __name__ == "__main__":
     main()

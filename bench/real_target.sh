@@ -53,14 +53,13 @@ for st in $STORES; do
   stamp extracted $name
 done
 fi
-runs=("$RUN0" "$RUN1"); ids="0 1"
+runs=("$RUN0" "$RUN1"); ids="0 1"; launch=python3; ddp_gpus=
 # DDP=1: RUN0 alone, one drafter on both GPUs (torchrun, 16,384 tokens per rank: twice the samples a step)
-if [ "${DDP:-0}" = 1 ]; then ids=0; fi
+if [ "${DDP:-0}" = 1 ]; then ids=0; launch="torchrun --standalone --nproc-per-node 2"; ddp_gpus=0,1; fi
 if [ "${STAGE:-all}" != eval ]; then
 for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
-  if [ "${DDP:-0}" = 1 ]; then launch="torchrun --standalone --nproc-per-node 2"; else launch="python3"; fi
-  CUDA_VISIBLE_DEVICES=$([ "${DDP:-0}" = 1 ] && echo 0,1 || echo $i) timeout $TLIM $launch -m train \
+  CUDA_VISIBLE_DEVICES=${ddp_gpus:-$i} timeout $TLIM $launch -m train \
     --store /dev/shm/$store.zarr --out $W/run_$name --num-layers 3 \
     --epochs 20 --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
     --val-samples 200 --val-every 100 --compile $extra $([ -d $W/run_$name/checkpoints ] && echo --resume) \

@@ -49,7 +49,7 @@ def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int 
     hi = lo + tile
     ctx_hi = hi.clamp(max=ctx_len)
     # some key visible: a context key below the anchor, or a key of the row's own block
-    some = (lo < torch.minimum(torch.full_like(lo, ctx_len), a.clamp(min=0))) | \
+    some = (lo < a.clamp(0, ctx_len)) | \
         (torch.maximum(lo, own_lo) < torch.minimum(hi, own_hi))  # [B, R, KVT]
     # every key visible: the tile's context part below the anchor, its block part inside the own block
     every = (hi <= kv_len) & ((lo >= ctx_len) | (ctx_hi <= a)) & \
