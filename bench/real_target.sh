@@ -11,7 +11,7 @@
 # Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
 # STAGE=train resumes training and evaluates; STAGE=eval only evaluates; both while the machine is still warm).
-# DDP=1 trains RUN0 alone on both GPUs. A longer run over two calls on one warm machine:
+# DDP=1 trains RUN0 alone on both GPUs. EPOCHS caps the passes (default 100: STEPS decides); EVAL=0 skips evaluation. A longer run over two calls on one warm machine:
 #   STEPS=2500 TLIM=380 DDP=1 bash bench/real_target.sh; then STEPS=2500 TLIM=420 DDP=1 STAGE=train bash bench/real_target.sh
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=/root/inductor
@@ -61,13 +61,15 @@ for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
   CUDA_VISIBLE_DEVICES=${ddp_gpus:-$i} timeout $TLIM $launch -m train \
     --store /dev/shm/$store.zarr --out $W/run_$name --num-layers 3 \
-    --epochs 20 --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
+    --epochs ${EPOCHS:-100} --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
     --val-samples 200 --val-every 100 --compile $extra $([ -d $W/run_$name/checkpoints ] && echo --resume) \
     > $W/train_$name.log 2>&1 &
 done
 wait; stamp trained
 pkill -9 -f "[-]m train " || true  # a torchrun rank outliving its time limit must not hold a GPU during eval
 fi
+[ "${EVAL:-1}" = 0 ] && { for i in $ids; do IFS=: read -r name store extra <<< "${runs[$i]}"
+  mkdir -p "$OUT/$name"; cp $W/run_$name/metrics.jsonl "$OUT/$name/" 2>/dev/null; grep val_loss $W/run_$name/metrics.jsonl | tail -n 1 | cut -c1-300; done; stamp no evaluation; exit 0; }
 for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
   # at most 8 files come back: metrics, the train log's tail and eval.json per run (plots are redrawn from
