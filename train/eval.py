@@ -20,7 +20,7 @@ from typing import Any
 import click
 import torch
 
-from train.checkpoint import latest_checkpoint, load_checkpoint
+from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.model import DFlashDrafter, DrafterConfig
 from train.spec_decode import dflash_generate, target_generate
 
@@ -54,9 +54,7 @@ def evaluate(*, run: str, checkpoint: str = "", prompts: str = "default", limit:
              max_new_tokens: int = 128, target: str = "", dtype: str = "float32") -> dict[str, Any]:
     from cache_format.target import load_target
 
-    ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)
-    if ck is None:
-        raise ValueError(f"{run}: no checkpoint found (train first)")
+    ck = resolve_checkpoint(run, checkpoint)
     weights, _, state = load_checkpoint(ck)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tgt = load_target(target or state["target"], device=device, dtype=getattr(torch, dtype))
@@ -153,7 +151,8 @@ def _plot(res: dict[str, Any], path: Path) -> None:
 
 @click.command()
 @click.option("--run", required=True, help="Training run directory.")
-@click.option("--checkpoint", default="", help="Checkpoint directory [default: newest in --run].")
+@click.option("--checkpoint", default="", help="'best' (best held-out sim_tau), 'latest' (newest step-N) or a "
+              "checkpoint directory [default: best if the run validated, else latest].")
 @click.option("--prompts", default="default", help="'default' (held-out GSM8K slice + HumanEval) or a JSONL.")
 @click.option("--limit", default=0, help="Evaluate only the first N prompts (0 = all).")
 @click.option("--max-new-tokens", default=128, show_default=True)

@@ -46,11 +46,9 @@ def from_export_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def export_run(run: str, out: str, checkpoint: str = "") -> Path:
-    from train.checkpoint import latest_checkpoint, load_checkpoint
+    from train.checkpoint import load_checkpoint, resolve_checkpoint
 
-    ck = Path(checkpoint) if checkpoint else latest_checkpoint(run)
-    if ck is None:
-        raise ValueError(f"{run}: no checkpoint to export")
+    ck = resolve_checkpoint(run, checkpoint)
     weights, _, state = load_checkpoint(ck)
     dc = DrafterConfig(**state["drafter"])
     target_cfg = state.get("target_config", {})
@@ -99,7 +97,8 @@ def load_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list
 @click.command()
 @click.option("--run", required=True, help="Training run directory.")
 @click.option("--out", required=True, help="Export directory.")
-@click.option("--checkpoint", default="", help="A checkpoint directory [default: the newest].")
+@click.option("--checkpoint", default="", help="'best', 'latest' or a checkpoint directory [default: best if the "
+              "run validated, else latest].")
 def main(run: str, out: str, checkpoint: str) -> None:
     """Export a trained drafter for SGLang / vLLM (z-lab DFlash layout)."""
     try:

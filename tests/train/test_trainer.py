@@ -14,7 +14,7 @@ import torch
 from extract.config import ExtractConfig
 from extract.run import run as extract
 from tests.helpers import tiny_target_dir, write_chats
-from train.checkpoint import latest_checkpoint, load_checkpoint
+from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from train.trainer import train
 
@@ -186,6 +186,9 @@ def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss):
     assert [r["step"] for r in val] == [20, 40, 60]
     assert val[-1]["val_loss"] < val[0]["val_loss"] and len(val[-1]["val_acc"]) == 3
     assert all("loss" in r for r in rows if "val_loss" not in r)  # training rows are unchanged
+    top = max(val, key=lambda r: r["val_sim_tau"])  # the first of equal scores: only a gain replaces the best
+    state = json.loads((best_checkpoint(tmp_path / "v") / "state.json").read_text())
+    assert (state["step"], state["val_sim_tau"]) == (top["step"], top["val_sim_tau"])
     with pytest.raises(ValueError, match="follow"):
         _cfg(store, tmp_path / "w", val_samples=4, follow=True)
 
@@ -224,3 +227,34 @@ def test_cli_maps_one_to_one_onto_the_config():
     from train.__main__ import main
 
     assert {p.name for p in main.params} == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_the_best_held_out_checkpoint_is_kept_and_survives_a_resume(store, tmp_path, monkeypatch):
+    # scripted scores: the best comes at step 20; after a resume, scores below it must not replace it
+    import train.trainer as trainer
+
+    scored, scores = trainer.evaluate_holdout, iter([1.2, 1.5, 1.4, 1.3, 1.1])
+
+    def scripted(*args, **kwargs):
+        return {**scored(*args, **kwargs), "val_sim_tau": next(scores)}
+
+    monkeypatch.setattr(trainer, "evaluate_holdout", scripted)
+    out = tmp_path / "b"
+    train(_cfg(store, out, max_steps=50, val_samples=4, val_every=10, checkpoint_every=10, keep_checkpoints=10))
+    best = best_checkpoint(out)
+    assert best.name == "best-20"
+    wb, _, sb = load_checkpoint(best)
+    ws, _, _ = load_checkpoint(out / "checkpoints" / "step-20")
+    assert sb["val_sim_tau"] == 1.5 and sb["step"] == 20 and "drafter" in sb
+    for k in ws:
+        torch.testing.assert_close(wb[k], ws[k], rtol=0, atol=0)
+    # cut back to step 30, as if killed there, and resume: a fresh best score (-inf) would keep best-50
+    for ck in (out / "checkpoints").glob("step-*"):
+        if int(ck.name[5:]) > 30:
+            import shutil
+
+            shutil.rmtree(ck)
+    scores = iter([1.45, 1.49])
+    train(_cfg(store, out, max_steps=50, val_samples=4, val_every=10, checkpoint_every=10, keep_checkpoints=10,
+               resume=True))
+    assert best_checkpoint(out).name == "best-20"
