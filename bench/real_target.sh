@@ -7,7 +7,9 @@
 # "name:store:extra train args". Defaults: one store (packaged prompts + invented code), a CE drafter (GPU 0)
 # and a KL drafter (GPU 1): 4 of 5 responses were sampled at T 0.8, so CE learns sampled tokens while
 # greedy decoding accepts the target's argmax; KL against the stored teacher has no such label noise.
-# CODE_N=2000 invents and answers fresh code prompts on the GPUs instead of using the committed ones.
+# CODE_N=2000 invents and answers fresh code prompts on the GPUs instead of using the committed ones;
+# EXTRA=4 adds 4 more sampled responses per packaged prompt (seed 1) to base: the drafter overfits
+# the 7,000 samples after ~13 epochs (fifth run), so more data is the lever left.
 # Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
 # STAGE=train resumes training and evaluates; STAGE=eval only evaluates; both while the machine is still warm).
@@ -44,7 +46,12 @@ if [ "${CODE_N:-0}" -gt 0 ]; then  # invent CODE_N code prompts on the GPUs, ans
   regen codea --prompts $W/code_prompts.jsonl --temperature 0
   cat $W/codea.0.jsonl $W/codea.1.jsonl | gzip > "$OUT/code.jsonl.gz"; CODE="$OUT/code.jsonl.gz"
 fi
-gunzip -c $DATA > $W/base.jsonl; { cat $W/base.jsonl; gunzip -c $CODE; } > $W/base+code.jsonl
+gunzip -c $DATA > $W/base.jsonl
+if [ "${EXTRA:-0}" -gt 0 ]; then  # EXTRA more sampled responses per prompt (seed 1: new draws), added to base
+  regen extra --num-samples "$EXTRA" --temperature 0.8 --seed 1
+  cat $W/extra.0.jsonl $W/extra.1.jsonl | tee -a $W/base.jsonl | gzip > "$OUT/extra.jsonl.gz"
+fi
+{ cat $W/base.jsonl; gunzip -c $CODE; } > $W/base+code.jsonl
 wc -l $W/*.jsonl; stamp data ready
 for st in $STORES; do
   IFS=: read -r name d data <<< "$st"
