@@ -64,7 +64,7 @@ def main() -> None:
     layer_ids = dflash_layer_ids(model.config.num_hidden_layers, 5)
     g = torch.Generator().manual_seed(0)
     batches = [[Rendered(b * a.batch + j, torch.randint(0, model.config.vocab_size, (a.seq,), generator=g),
-                         torch.ones(a.seq, dtype=torch.uint8), False) for j in range(a.batch)]
+                         torch.ones(a.seq, dtype=torch.uint8), False, b * a.batch + j) for j in range(a.batch)]
                for b in range(a.batches + a.warmup)]
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     run_batches(model, layer_ids, batches[: a.warmup], [], None, last_hidden=a.last_hidden)

@@ -4,7 +4,7 @@ from cache_format.errors import CacheFormatError, ManifestMismatchError, Unknown
 from cache_format.index import finalize_store
 from cache_format.reader import Sample, StoreReader
 from cache_format.schema import FORMAT_VERSION, DatasetInfo, Manifest, TargetInfo, bucket_of
-from cache_format.writer import ShardWriter, create_store, write_frozen
+from cache_format.writer import ShardWriter, create_store, write_frozen, write_prompt_keys
 
 __all__ = [
     "FORMAT_VERSION",
@@ -21,4 +21,5 @@ __all__ = [
     "create_store",
     "finalize_store",
     "write_frozen",
+    "write_prompt_keys",
 ]

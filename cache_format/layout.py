@@ -42,6 +42,7 @@ __all__ = [
 MANIFEST_KEY = "draftcache"
 STATE_KEY = "draftcache_state"
 FROZEN_FILE = "frozen.safetensors"
+PROMPTS_FILE = "prompts.safetensors"  # optional: sample id -> key of its prompt (held-out splits by prompt)
 
 
 @dataclass(frozen=True)

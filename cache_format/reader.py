@@ -20,7 +20,7 @@ from zarr.core.sync import sync
 from cache_format.codec import bits_to_bf16, dequantize_fp8
 from cache_format.errors import CacheFormatError
 from cache_format.index import load_index
-from cache_format.layout import FROZEN_FILE, STATE_KEY, read_manifest, read_root_attrs, token_arrays
+from cache_format.layout import FROZEN_FILE, PROMPTS_FILE, STATE_KEY, read_manifest, read_root_attrs, token_arrays
 from cache_format.rawread import RawShardReader
 from cache_format.schema import Manifest
 
@@ -82,6 +82,27 @@ class StoreReader:
 
     def buckets(self) -> np.ndarray:
         return self.index.bucket()
+
+    def prompt_keys(self) -> np.ndarray | None:
+        """int64 [len(self)]: the prompt key of each sample (order of `sample_ids`), or None when the
+        store has no prompts file. A sample missing from the file gets a key of its own."""
+        path = self.root / PROMPTS_FILE
+        if not path.exists():
+            return None
+        from safetensors.numpy import load_file
+
+        try:
+            f = load_file(str(path))
+            ids, keys = f["sample_ids"], f["prompt_keys"]
+        except Exception as e:  # a torn or foreign file: say which, not where safetensors failed
+            raise CacheFormatError(f"{path}: unreadable prompts file ({e})") from None
+        mine = self.sample_ids
+        own = -1 - mine  # a key of its own for an unlisted sample: negative, apart from the file's (>= 0)
+        if len(ids) == 0:
+            return own
+        order = np.argsort(ids, kind="stable")
+        pos = np.searchsorted(ids[order], mine).clip(max=len(ids) - 1)
+        return np.where(ids[order[pos]] == mine, keys[order[pos]], own)
 
     def frozen(self) -> dict[str, torch.Tensor]:
         """The target's frozen embedding, lm_head and final norm saved in the store."""

@@ -36,6 +36,7 @@ from cache_format.errors import CacheFormatError, ManifestMismatchError
 from cache_format.layout import (
     FROZEN_FILE,
     MANIFEST_KEY,
+    PROMPTS_FILE,
     STATE_KEY,
     TokenArray,
     atomic_write_bytes,
@@ -49,7 +50,7 @@ from cache_format.layout import (
 from cache_format.logs import read_commit_log
 from cache_format.schema import Manifest, bucket_of, manifest_differences
 
-__all__ = ["ShardWriter", "create_store", "write_frozen"]
+__all__ = ["ShardWriter", "create_store", "write_frozen", "write_prompt_keys"]
 
 
 def create_store(path: str | os.PathLike, manifest: Manifest, *, overwrite: bool = False) -> None:
@@ -86,6 +87,22 @@ def write_frozen(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> N
     data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
     with _os_errors(Path(path)):
         atomic_write_bytes(Path(path) / FROZEN_FILE, data)
+
+
+def write_prompt_keys(path: str | os.PathLike, sample_ids: np.ndarray, keys: np.ndarray) -> None:
+    """Save each sample's prompt key (equal keys = responses to one prompt), atomically.
+
+    Optional in a store: with it a held-out split takes whole prompts, so no response to a held-out
+    prompt is trained on (regenerated data has several responses per prompt, and a greedy and a
+    sampled response to one prompt share much of their text).
+    """
+    from safetensors.numpy import save
+
+    ids, k = np.asarray(sample_ids, np.int64), np.asarray(keys, np.int64)
+    if ids.shape != k.shape or ids.ndim != 1:
+        raise ValueError(f"sample_ids {ids.shape} and keys {k.shape} must be 1-D and of one length")
+    with _os_errors(Path(path)):
+        atomic_write_bytes(Path(path) / PROMPTS_FILE, save({"sample_ids": ids, "prompt_keys": k}))
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from cache_format.conversations import BadRecord, read_conversations
 
-__all__ = ["BadRecord", "Rendered", "file_sha256", "read_conversations", "render"]
+__all__ = ["BadRecord", "Rendered", "file_sha256", "prompt_key", "read_conversations", "render"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,19 @@ class Rendered:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     truncated: bool
+    prompt_key: int
+    """prompt_key(messages): equal for responses to one prompt."""
+
+
+def prompt_key(messages: list[dict[str, str]]) -> int:
+    """A 63-bit key of a conversation's prompt: its messages before the first assistant turn."""
+    head = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        head.append([m["role"], m["content"]])
+    digest = hashlib.sha256(json.dumps(head, ensure_ascii=False).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def file_sha256(path: str | Path) -> str:
@@ -57,4 +71,4 @@ def render(sample_id: int, messages: list[dict[str, str]], tokenizer, *, max_len
         if b > a and any(lo <= a < hi for lo, hi in spans):
             mask[t] = 1
     truncated = len(ids) > max_len
-    return Rendered(sample_id, ids[:max_len], mask[:max_len], truncated)
+    return Rendered(sample_id, ids[:max_len], mask[:max_len], truncated, prompt_key(messages))

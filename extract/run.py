@@ -24,6 +24,7 @@ from cache_format import (
     create_store,
     finalize_store,
     write_frozen,
+    write_prompt_keys,
 )
 from cache_format.index import LogFollower
 from cache_format.schema import default_bucket_bounds
@@ -124,6 +125,7 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
     if world.rank == 0:
         create_store(cfg.store, manifest, overwrite=cfg.overwrite)
         write_frozen(cfg.store, frozen_parts(target.model))
+        write_prompt_keys(cfg.store, [r.sample_id for r in samples], [r.prompt_key for r in samples])
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
     _barrier(world)

@@ -73,8 +73,9 @@ class TrainConfig:
     no extra matmul), recompute (checkpointed: logits rebuilt in backward, one more lm_head matmul),
     keep (every chunk's logits stay alive until backward)."""
     val_samples: int = 0
-    """Samples held out of training (a seeded choice); their teacher-forced loss, acc and sim_tau
-    (fixed anchors) are logged as val_* every val_every steps, to see overfitting."""
+    """Samples held out of training (a seeded choice; whole prompts when the store has prompt keys,
+    so at least this many); their teacher-forced loss, acc and sim_tau (fixed anchors) are logged
+    as val_* every val_every steps, to see overfitting; the best sim_tau's weights are kept."""
     val_every: int = 100
     """Steps between held-out evaluations (and one at the end)."""
     grad_reduce: str = "fp32"

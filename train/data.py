@@ -49,18 +49,31 @@ def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray,
     return [micro[i: i + per_step] for i in range(0, len(micro) - per_step + 1, per_step)]
 
 
-def holdout_mask(sample_ids: np.ndarray, n: int, seed: int) -> np.ndarray:
-    """bool [len(sample_ids)]: True for the n samples held out of training (a seeded choice by id).
+def holdout_mask(sample_ids: np.ndarray, n: int, seed: int, prompt_keys: np.ndarray | None = None) -> np.ndarray:
+    """bool [len(sample_ids)]: True for the samples held out of training (a seeded choice).
 
-    Chosen from the sorted ids, so the same store and seed hold out the same samples whatever
+    Without prompt keys: n samples, chosen by id. With them (int64 [len(sample_ids)], equal = one
+    prompt): whole prompts in a seeded order until at least n samples are held out, so no response
+    to a held-out prompt is trained on; the count overshoots n by less than one prompt's responses.
+    Chosen from sorted ids/keys, so the same store and seed hold out the same samples whatever
     order the index lists them in.
     """
     if not 0 <= n < len(sample_ids):
         raise ValueError(f"cannot hold out {n} of {len(sample_ids)} samples: keep at least one for training")
-    order = np.argsort(sample_ids, kind="stable")
-    chosen = order[np.random.default_rng([seed, 7]).permutation(len(order))[:n]]
+    rng = np.random.default_rng([seed, 7])
     mask = np.zeros(len(sample_ids), dtype=bool)
-    mask[chosen] = True
+    if prompt_keys is None:
+        order = np.argsort(sample_ids, kind="stable")
+        mask[order[rng.permutation(len(order))[:n]]] = True
+        return mask
+    keys, inverse, counts = np.unique(prompt_keys, return_inverse=True, return_counts=True)  # keys sorted
+    perm = rng.permutation(len(keys))
+    taken = np.cumsum(counts[perm])  # samples held out by the first 1, 2, ... prompts of the order
+    chosen = perm[: int(np.searchsorted(taken, n)) + 1] if n else perm[:0]  # the shortest prefix holding >= n
+    mask[np.isin(inverse, chosen)] = True
+    if mask.all():
+        raise ValueError(f"cannot hold out {n} of {len(sample_ids)} samples by whole prompt ({len(keys)} prompts): "
+                         "none would be left for training")
     return mask
 
 

@@ -189,7 +189,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     opt = make_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     try:
-        held = holdout_mask(reader.sample_ids, cfg.val_samples, cfg.seed) if cfg.val_samples else None
+        held = (holdout_mask(reader.sample_ids, cfg.val_samples, cfg.seed, reader.prompt_keys())
+                if cfg.val_samples else None)
     except ValueError as e:
         raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
 

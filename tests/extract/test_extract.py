@@ -75,6 +75,34 @@ def test_taps_equal_output_hidden_states(tmp_path, arch, chats):
         torch.testing.assert_close(logits, out.logits[0], atol=1e-4, rtol=1e-4)
 
 
+def test_prompt_keys_group_responses_to_one_prompt(tmp_path, llama):
+    from cache_format.layout import PROMPTS_FILE
+    from extract.data import prompt_key
+
+    src = [json.loads(x) for x in Path(write_chats(tmp_path / "c.jsonl", 6)).read_text().splitlines()]
+    # three responses to each prompt, as regenerated data has
+    rows = [{"messages": r["messages"][:1] + [{"role": "assistant", "content": f"{r['messages'][1]['content']} {k}"}]}
+            for r in src for k in range(3)]
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "s.zarr"
+    run(_cfg(store, llama, str(data)))
+    r = StoreReader(store)
+    keys = dict(zip(r.sample_ids.tolist(), r.prompt_keys().tolist()))
+    assert keys == {i: prompt_key(rows[i]["messages"]) for i in range(len(rows))}
+    assert len(set(keys.values())) == 6
+    from cache_format import write_prompt_keys
+
+    write_prompt_keys(store, r.sample_ids[:3], [5, 5, 9])  # a file listing only some samples
+    got = StoreReader(store).prompt_keys()
+    assert got[:3].tolist() == [5, 5, 9] and (got[3:] < 0).all() and len(set(got[3:].tolist())) == len(got) - 3
+    (store / PROMPTS_FILE).unlink()  # a store written without prompt keys: none, and a split by sample
+    assert StoreReader(store).prompt_keys() is None
+    (store / PROMPTS_FILE).write_bytes(b"torn")
+    with pytest.raises(CacheFormatError, match="prompts"):
+        StoreReader(store).prompt_keys()
+
+
 def test_resume_refusals_and_overwrite(tmp_path, llama, chats):
     store = tmp_path / "s.zarr"
     run(_cfg(store, llama, chats))

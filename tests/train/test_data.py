@@ -59,3 +59,31 @@ def test_plan_depends_on_the_sample_set_not_the_index_order():
     a = plan_epoch(ids, lengths, buckets, token_budget=1024, seed=1, epoch=0, ranks=2, grad_accum=1)
     b = plan_epoch(ids[perm], lengths[perm], buckets[perm], token_budget=1024, seed=1, epoch=0, ranks=2, grad_accum=1)
     assert a == b
+
+
+def _grouped_oracle(keys: np.ndarray, n: int, seed: int) -> set[int]:
+    """Row indices held out: whole prompts in the seeded order of the sorted distinct keys, until >= n rows."""
+    distinct = sorted(set(keys.tolist()))
+    order = np.random.default_rng([seed, 7]).permutation(len(distinct))
+    rows: set[int] = set()
+    for g in order:
+        if len(rows) >= n:
+            break
+        rows |= {i for i, k in enumerate(keys.tolist()) if k == distinct[g]}
+    return rows
+
+
+@pytest.mark.parametrize("n", [1, 7, 20, 60])
+def test_holdout_by_prompt_takes_whole_prompts_like_the_loop(n):
+    ids, _, _ = _store()
+    rng = np.random.default_rng(4)
+    keys = rng.integers(0, 50, len(ids)) * 1_000_003  # ~50 prompts, 1-12 responses each
+    m = holdout_mask(ids, n, seed=5, prompt_keys=keys)
+    assert set(np.flatnonzero(m).tolist()) == _grouped_oracle(keys, n, 5)
+    assert not set(keys[m]) & set(keys[~m])  # no prompt on both sides
+    biggest = np.unique(keys, return_counts=True)[1].max()
+    assert n <= m.sum() < n + biggest
+    perm = rng.permutation(len(ids))
+    assert set(ids[perm][holdout_mask(ids[perm], n, seed=5, prompt_keys=keys[perm])]) == set(ids[m])
+    with pytest.raises(ValueError, match="prompt"):
+        holdout_mask(ids, n, seed=5, prompt_keys=np.zeros(len(ids), np.int64))  # one prompt: nothing to train on
