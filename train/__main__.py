@@ -58,8 +58,11 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
               help="lm_head chunk gradients: formed in the forward pass (fused), rebuilt in backward "
               "(recompute: one more matmul), or from logits kept alive (keep: most memory).")
 @click.option("--val-samples", default=0, show_default=True,
-              help="Hold out N samples; log their teacher-forced val_loss/val_acc/val_sim_tau.")
+              help="Hold out N samples (whole prompts); log their teacher-forced val_loss/val_acc/val_sim_tau; "
+              "keep the best val_sim_tau's weights as checkpoints/best-STEP.")
 @click.option("--val-every", default=100, show_default=True, help="Steps between held-out evaluations.")
+@click.option("--patience", default=0, show_default=True,
+              help="Stop after N held-out evaluations in a row without a new best val_sim_tau (0 = never).")
 @click.option("--grad-reduce", type=click.Choice(GRAD_REDUCES), default="fp32", show_default=True,
               help="dtype of DDP's gradient all-reduce (bf16: half the bytes, rounded gradients).")
 def main(**kw) -> None:
@@ -72,7 +75,8 @@ def main(**kw) -> None:
     except (CacheFormatError, ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    click.echo(f"trained {res['steps']} steps into {res['run']}")
+    stop = f" (stopped: {res['patience']} evaluations without a new best)" if res["stopped_early"] else ""
+    click.echo(f"trained {res['steps']} steps into {res['run']}{stop}")
 
 
 if __name__ == "__main__":

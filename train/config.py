@@ -78,6 +78,9 @@ class TrainConfig:
     as val_* every val_every steps, to see overfitting; the best sim_tau's weights are kept."""
     val_every: int = 100
     """Steps between held-out evaluations (and one at the end)."""
+    patience: int = 0
+    """Stop once this many held-out evaluations in a row bring no new best val_sim_tau (0 = never);
+    needs val_samples. The best weights are kept either way (checkpoints/best-STEP)."""
     grad_reduce: str = "fp32"
     """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
     rounded to bf16 and summed in bf16). One rank: no effect."""
@@ -99,6 +102,8 @@ class TrainConfig:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.val_samples < 0 or self.val_every < 1:
             raise ValueError(f"val_samples must be >= 0 and val_every >= 1, got {self.val_samples}, {self.val_every}")
+        if self.patience < 0 or (self.patience and not self.val_samples):
+            raise ValueError(f"patience must be >= 0 and needs val_samples > 0, got {self.patience}")
         if self.val_samples and self.follow:
             raise ValueError("val_samples needs the whole store to choose from: not with follow")
         if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
@@ -122,5 +127,6 @@ class TrainConfig:
 
 # Fields that may change on --resume without changing what is trained.
 RESUME_FREE = ("resume", "max_steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
+               "patience",
                "loss_chunk", "loss_backward", "grad_reduce",
                "follow", "compile", "out")

@@ -265,15 +265,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                               with_teacher=cfg.effective_kl_weight > 0)
 
     best_ck = best_checkpoint(cfg.out) if cfg.resume else None
-    best_score = json.loads((best_ck / "state.json").read_text())["val_sim_tau"] if best_ck else float("-inf")
+    best = json.loads((best_ck / "state.json").read_text()) if best_ck else {"step": step, "val_sim_tau": float("-inf")}
+    best_score = best["val_sim_tau"]
+    stale = (step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
 
     def validate() -> None:
-        nonlocal best_score
+        nonlocal best_score, stale
         row = evaluate_holdout(model, val_ds, device, world=world, block_size=cfg.block_size, gamma=gamma,
                                kl_weight=cfg.effective_kl_weight, use_flex=use_flex, loss_chunk=cfg.loss_chunk)
         log.write({"step": step, "epoch": epoch, **row})
+        stale += 1
         if row["val_sim_tau"] > best_score:  # every rank holds the all-reduced row: all agree
-            best_score = row["val_sim_tau"]
+            best_score, stale = row["val_sim_tau"], 0
             if rank == 0:
                 save_best(cfg.out, step, model=model, state={"step": step, "epoch": epoch, "val_sim_tau": best_score,
                                                              "val_loss": row["val_loss"], "config": cfg.to_dict(),
@@ -370,6 +373,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             t_pause = time.time()
             if val_ds is not None and step % cfg.val_every == 0:
                 validate()
+                if cfg.patience and stale >= cfg.patience:
+                    total = step  # stop here: the checkpoint below and the final one are this step's
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                 checkpoint(*position)
             # a row rates training steps: the seconds of validation and checkpoints are not in it
@@ -387,4 +392,5 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     checkpoint(*position)
     if rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
         plot_metrics(cfg.out)
-    return {"steps": step, "run": cfg.out, "samples_last_epoch": len(reader), "finalized": reader.finalized}
+    return {"steps": step, "run": cfg.out, "samples_last_epoch": len(reader), "finalized": reader.finalized,
+            "stopped_early": bool(cfg.patience) and stale >= cfg.patience, "patience": cfg.patience}

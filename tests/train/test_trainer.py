@@ -258,3 +258,21 @@ def test_the_best_held_out_checkpoint_is_kept_and_survives_a_resume(store, tmp_p
     train(_cfg(store, out, max_steps=50, val_samples=4, val_every=10, checkpoint_every=10, keep_checkpoints=10,
                resume=True))
     assert best_checkpoint(out).name == "best-20"
+
+
+def test_patience_stops_after_evaluations_without_a_new_best(store, tmp_path, monkeypatch):
+    import train.trainer as trainer
+
+    scored, scores = trainer.evaluate_holdout, iter([1.2, 1.5, 1.4, 1.3, 1.1, 1.0])
+
+    def scripted(*args, **kwargs):
+        return {**scored(*args, **kwargs), "val_sim_tau": next(scores)}
+
+    monkeypatch.setattr(trainer, "evaluate_holdout", scripted)
+    out = tmp_path / "p"
+    res = train(_cfg(store, out, max_steps=60, val_samples=4, val_every=10, patience=2))
+    assert res["steps"] == 40 and res["stopped_early"]  # 1.4 at 30 and 1.3 at 40: two without a gain
+    assert [r["step"] for r in _metrics(out) if "val_loss" in r] == [10, 20, 30, 40]
+    assert best_checkpoint(out).name == "best-20" and latest_checkpoint(out).name == "step-40"
+    with pytest.raises(ValueError, match="patience"):
+        _cfg(store, out, patience=2)  # nothing held out to be patient about
