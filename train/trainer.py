@@ -267,7 +267,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     best_ck = best_checkpoint(cfg.out) if cfg.resume else None
     best = json.loads((best_ck / "state.json").read_text()) if best_ck else {"step": step, "val_sim_tau": float("-inf")}
     best_score = best["val_sim_tau"]
-    stale = (step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
+    stale = max(0, step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
 
     def validate() -> None:
         nonlocal best_score, stale
