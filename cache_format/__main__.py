@@ -41,7 +41,8 @@ def inspect(store: str, as_json: bool) -> None:
                f"V={m['target']['vocab_size']}")
     click.echo(f"layers       {m['layer_ids']}  last_hidden={m['last_hidden']}  dtype={m['dtype']}  "
                f"compression={m['compression']}")
-    click.echo(f"samples      {info['num_samples']:,}  tokens {info['num_tokens']:,}")
+    prompts = "" if info["num_prompts"] is None else f"  prompts {info['num_prompts']:,}"
+    click.echo(f"samples      {info['num_samples']:,}  tokens {info['num_tokens']:,}{prompts}")
     click.echo(f"bytes/token  {info['bytes_per_token']:,.0f} on disk, {info['logical_bytes_per_token']:,} logical "
                f"(ratio {info['compression_ratio']:.3f})  disk {info['disk_bytes'] / 2**20:,.1f} MiB")
     if info["fp8_relative_rms_error"] is not None:

@@ -39,12 +39,14 @@ def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
     manifest = m.to_dict()
     manifest["hidden_size"] = m.target.hidden_size
     state = _state(r)
+    keys = r.prompt_keys()
     return {
         "path": str(r.root),
         "format_version": m.format_version,
         "finalized": bool(state.get("finalized")),
         "num_samples": int(len(r)),
         "num_tokens": num_tokens,
+        "num_prompts": None if keys is None else int(len(np.unique(keys))),
         "bytes_per_token": (data_bytes / num_tokens) if num_tokens else 0.0,
         "logical_bytes_per_token": m.bytes_per_token(),
         "disk_bytes": _disk_bytes(Path(r.root)),

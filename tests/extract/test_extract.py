@@ -91,6 +91,9 @@ def test_prompt_keys_group_responses_to_one_prompt(tmp_path, llama):
     keys = dict(zip(r.sample_ids.tolist(), r.prompt_keys().tolist()))
     assert keys == {i: prompt_key(rows[i]["messages"]) for i in range(len(rows))}
     assert len(set(keys.values())) == 6
+    from cache_format.inspect import inspect_store
+
+    assert inspect_store(store)["num_prompts"] == 6
     from cache_format import write_prompt_keys
 
     write_prompt_keys(store, r.sample_ids[:3], [5, 5, 9])  # a file listing only some samples
