@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["dflash_layer_ids", "partition", "token_budget_batches"]
+__all__ = ["dflash_layer_ids", "generation_jobs", "partition", "token_budget_batches"]
 
 
 def dflash_layer_ids(num_layers: int, num_taps: int) -> list[int]:
@@ -48,3 +48,15 @@ def token_budget_batches(sample_ids: Sequence[int], lengths: Sequence[int], budg
     if cur:
         batches.append(cur)
     return batches
+
+
+def generation_jobs(prompt_lengths: Sequence[int], num_samples: int) -> list[tuple[int, int]]:
+    """(prompt index, sample) pairs to generate, shortest prompts first (ties by index, then sample).
+
+    A left-padded generation batch pads every row to its longest prompt, and each decode step reads
+    the whole padded KV cache: in prompt order, a batch mixing short GSM8K and long GPQA prompts
+    pays for the longest. The order is a pure function of the lengths, so shards and resumed runs
+    see the same batches.
+    """
+    order = sorted(range(len(prompt_lengths)), key=lambda i: (prompt_lengths[i], i))
+    return [(i, k) for i in order for k in range(num_samples)]

@@ -27,6 +27,8 @@ from pathlib import Path
 import click
 import torch
 
+from extract.plan import generation_jobs
+
 __all__ = ["regenerate"]
 
 
@@ -59,7 +61,6 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
         convs = [[m for m in msgs if m["role"] != "assistant"]
                  for _, msgs in read_conversations(prompts, skip_bad=False, require_assistant=False)]
     convs = convs[:limit] if limit else convs
-    jobs = [(i, k) for i in range(invent or len(convs)) for k in range(num_samples)]
     done = set()
     if Path(out).exists():
         _drop_torn_tail(Path(out))
@@ -77,6 +78,10 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     opening = pre_query_text(tok) + invent_prefix if invent else ""
+    texts = ([opening] * invent if invent else
+             [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs])
+    lengths = [len(t) for t in tok(texts, add_special_tokens=False)["input_ids"]] if texts else []
+    jobs = generation_jobs(lengths, num_samples)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     written = 0
     with open(out, "a", encoding="utf-8") as f:
@@ -84,9 +89,7 @@ def regenerate(*, out: str, target: str = "", prompts: str = "default", limit: i
             batch = jobs[b: b + batch_size]
             if all(j in done for j in batch):
                 continue  # a partly written batch is generated whole (same padding, same RNG draws)
-            texts = [opening if invent else tok.apply_chat_template(convs[i], tokenize=False, add_generation_prompt=True)
-                     for i, _ in batch]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            enc = tok([texts[i] for i, _ in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + b)
             kw = dict(do_sample=True, temperature=temperature, top_p=0.95) if temperature > 0 else dict(do_sample=False)
             torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen, device=device)))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from extract.plan import dflash_layer_ids, partition, token_budget_batches
+from extract.plan import dflash_layer_ids, generation_jobs, partition, token_budget_batches
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 16, 64])
@@ -52,3 +52,22 @@ def test_dflash_rule():
     assert dflash_layer_ids(24, 5) == [1, 6, 11, 16, 21]
     with pytest.raises(ValueError):
         dflash_layer_ids(3, 2)
+
+
+def test_generation_jobs_shortest_prompts_first_and_padding_falls():
+    rng = random.Random(0)
+    lengths = [rng.choice([rng.randint(60, 200), rng.randint(400, 900)]) for _ in range(300)]  # short and long mixed
+    jobs = generation_jobs(lengths, 3)
+    assert sorted(jobs) == [(i, k) for i in range(300) for k in range(3)]  # every job once
+    assert all(lengths[a[0]] <= lengths[b[0]] for a, b in zip(jobs, jobs[1:]))
+    assert jobs == generation_jobs(lengths, 3)
+
+    def padding(order, batch=64):  # the padded tokens of left-padded batches, naive loop
+        total = 0
+        for b in range(0, len(order), batch):
+            rows = [lengths[i] for i, _ in order[b: b + batch]]
+            total += sum(max(rows) - n for n in rows)
+        return total
+
+    prompt_order = [(i, k) for i in range(300) for k in range(3)]
+    assert padding(jobs) < 0.2 * padding(prompt_order)
