@@ -32,7 +32,8 @@ regen() {  # args: name, extra regenerate options; one shard per GPU
   done
   wait; tail -n1 $W/$1.*.log
 }
-# The dataset these commands made on 2026-11-29 is committed (298 s of two GPUs); REGEN=1 remakes it.
+# The dataset these commands made on 2026-11-29 is committed (298 s of two GPUs); REGEN=1 makes a new one
+# (same prompts and settings; regenerate now batches shortest prompts first, so other draws).
 DATA=docs/results/smollm2-x2-820steps/regen.jsonl.gz
 if [ "${REGEN:-0}" = 1 ] || [ ! -f $DATA ]; then
   regen sampled --num-samples 4 --temperature 0.8
