@@ -47,8 +47,8 @@ extract: install
 	$(ENVGPU) $(LAUNCH) -m extract --store $(STORE) $(if $(DATA),--data $(DATA),) $(if $(TARGET),--target $(TARGET),) $(EXTRACT_ARGS)
 	$(PY) -m cache_format inspect $(STORE)
 
-train: install
-	$(ENVGPU) $(LAUNCH) -m train --store $(STORE) --out $(RUN) $(TRAIN_ARGS)
+train: install  # --resume: continues RUN if it holds a checkpoint (a finished run: nothing to do), else starts it
+	$(ENVGPU) $(LAUNCH) -m train --store $(STORE) --out $(RUN) --resume $(TRAIN_ARGS)
 
 eval: install
 	$(ENVGPU) $(PY) -m train.eval --run $(RUN) $(EVAL_ARGS)

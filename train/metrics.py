@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "plot_metrics"]
+__all__ = ["MetricsLog", "plot_metrics", "trim_metrics"]
 
 
 class MetricsLog:
@@ -21,6 +21,24 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+def trim_metrics(run: str | os.PathLike, step: int) -> None:
+    """Keep only the rows of steps <= `step` (the step training restarts from; 0 = a fresh run), so
+    a resumed run's curve has each step once. Rewritten whole: a temp file and a rename."""
+    path = Path(run) / "metrics.jsonl"
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a torn last line of a killed run
+    tmp = path.with_suffix(".jsonl.partial")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    os.replace(tmp, path)
 
 
 def plot_metrics(run: str | os.PathLike) -> list[Path]:

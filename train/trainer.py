@@ -26,7 +26,7 @@ from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout, to_
 from train.follow import StoreView, agree_view, view_of, wait_for_store
 from train.losses import LossOut, acceptance_from_acc, default_gamma, draft_loss
 from train.masks import dense_mask, flex_block_mask
-from train.metrics import MetricsLog, plot_metrics
+from train.metrics import MetricsLog, plot_metrics, trim_metrics
 from train.model import DFlashDrafter, DrafterConfig
 
 __all__ = ["build_drafter", "data_parallel", "drafter_config", "train"]
@@ -227,13 +227,20 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(total, cfg.warmup))
     step, start_epoch, skip = 0, 0, 0
-    if cfg.resume and (ck := latest_checkpoint(cfg.out)) is not None:
+    ck = latest_checkpoint(cfg.out)
+    if not cfg.resume and (ck or best_checkpoint(cfg.out)):
+        # else an earlier run's step-N (newer) or best-N would be what eval and export pick
+        raise ValueError(f"{cfg.out} holds checkpoints of an earlier run: pass --resume to continue it, "
+                         "or another --out")
+    if cfg.resume and ck is not None:
         weights, opt_state, saved = load_checkpoint(ck)
         _check_resume(cfg, saved)
         model.load_state_dict(weights, strict=False)
         opt.load_state_dict(opt_state["optimizer"])
         sched.load_state_dict(opt_state["scheduler"])
         step, start_epoch, skip = saved["step"], saved["epoch"], saved["step_in_epoch"]
+    if rank == 0:
+        trim_metrics(cfg.out, step)  # rows a killed run logged after its last checkpoint are redone
     if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
         model.compile_layers()
     ddp = data_parallel(model, grad_reduce=cfg.grad_reduce) if world > 1 else model
