@@ -173,6 +173,7 @@ def main(as_json: bool, **kw) -> None:
     if as_json:
         click.echo(json.dumps({k: v for k, v in res.items() if k != "prompts"}))
         return
+    click.echo(f"checkpoint {res['checkpoint']}")
     click.echo(f"tau {res['tau']:.3f} over {res['num_prompts']} prompts, {res['new_tokens']} new tokens "
                f"({res['target_forwards']} target forwards vs {res['baseline_target_forwards']} greedy)")
     click.echo(f"lossless {res['lossless']} (checked in {res['lossless_dtype']}); speedup {res['speedup']:.2f}x "
