@@ -2,7 +2,8 @@
 # Extraction and training rates on the GPU host (issue 6 items 2 and 3), JSON lines in $OUT.
 # Run on the device machine after installing the carried wheels into /root/site (device.md):
 #   bash bench/gpu_rates.sh extract    # 1 GPU: writer variants; then both GPUs at once (x2)
-#   bash bench/gpu_rates.sh train      # 1 GPU: 8B-shaped drafter, compiled: fused loss at budgets 4096/8192, kept logits
+#   bash bench/gpu_rates.sh train      # 1 GPU: 8B-shaped drafter, compiled, fused loss: memory vs store (2 copy paths), 3 rounds
+#   bash bench/gpu_rates.sh train_more # 1 GPU: the same at budget 8192, and with kept logits
 #   bash bench/gpu_rates.sh profile    # 1 GPU: the same eager, with torch.profiler's top CUDA ops
 #   bash bench/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
 #   bash bench/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
@@ -42,14 +43,16 @@ extract)
     wait; grep -h '^{' /tmp/extract_gpu_*.log | tee "$OUT/extract_allgpu.log"  # one file: 8 at most come back
   fi
   ;;
-train)  # 1 GPU, one run at a time, compiled: the fused loss (default) at two token budgets, then kept logits
-  # (the 47.2% MFU run of 2026-11-30). The first compiled run fills the inductor cache if it is cold.
-  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/train_bench.py $TB --compile --token-budget 4096 2>&1 \
+train)  # 1 GPU, compiled, fused loss (the default), budget 4096: in memory / from the store (compute-stream copy)
+  # / from the store (side-stream copy) in 3 alternating rounds, medians. A cold compile adds minutes.
+  CUDA_VISIBLE_DEVICES=0 timeout 420 python3 bench/train_bench.py $TB --compile --token-budget 4096 --rounds 3 2>&1 \
     | tee "$OUT/train_fused_4096.log" | grep '^{'
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --compile --token-budget 8192 2>&1 \
+  ;;
+train_more)  # 1 GPU: budget 8192, then kept logits (the 47.2% MFU run of 2026-11-30), one round each
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/train_bench.py $TB --compile --token-budget 8192 --rounds 1 2>&1 \
     | tee "$OUT/train_fused_8192.log" | grep '^{'
-  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --compile --token-budget 4096 --loss-backward keep \
-    --loss-chunk 8192 2>&1 | tee "$OUT/train_keep_4096.log" | grep '^{'
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/train_bench.py $TB --compile --token-budget 4096 --loss-backward keep \
+    --loss-chunk 8192 --rounds 1 2>&1 | tee "$OUT/train_keep_4096.log" | grep '^{'
   ;;
 profile)  # 1 GPU: eager, fused loss, torch.profiler's top CUDA ops over 2 steps
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/train_bench.py $TB --token-budget 4096 --profile 2 2>&1 \
