@@ -76,8 +76,6 @@ done
 wait; stamp trained
 pkill -9 -f "[-]m train " || true  # a torchrun rank outliving its time limit must not hold a GPU during eval
 fi
-[ "${EVAL:-1}" = 0 ] && { for i in $ids; do IFS=: read -r name store extra <<< "${runs[$i]}"
-  mkdir -p "$OUT/$name"; cp $W/run_$name/metrics.jsonl "$OUT/$name/" 2>/dev/null; grep val_loss $W/run_$name/metrics.jsonl | tail -n 1 | cut -c1-300; done; stamp no evaluation; exit 0; }
 for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
   # at most 8 files come back: metrics, the train log's tail and eval.json per run (plots are redrawn from
@@ -85,6 +83,10 @@ for i in $ids; do
   mkdir -p "$OUT/$name"; cp $W/run_$name/metrics.jsonl "$OUT/$name/" 2>/dev/null
   tr '\r' '\n' < $W/train_$name.log | grep -v '^\s*$' | tail -n 30 > "$OUT/$name/train.log"
   grep val_loss $W/run_$name/metrics.jsonl | tail -n 1 | cut -c1-300
+done
+[ "${EVAL:-1}" = 0 ] && { stamp no evaluation; exit 0; }
+for i in $ids; do
+  IFS=: read -r name store extra <<< "${runs[$i]}"
   CUDA_VISIBLE_DEVICES=$i python3 -m train.eval --run $W/run_$name --limit 16 --max-new-tokens 96 --json \
     > $W/eval_$name.log 2>&1 &
 done

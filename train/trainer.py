@@ -138,9 +138,10 @@ def _bf16_all_reduce(_state, bucket):  # no annotations: DDP checks them, and th
     summed in bf16. PyTorch's own bf16 hook refuses anything but NCCL, and the CPU tests run gloo."""
     buf = bucket.buffer()  # [n] fp32 gradients of this bucket
     half = buf.to(torch.bfloat16).div_(dist.get_world_size())  # divided first: the sum stays in range
-    # Not async + Future.then: a Python callback run on gloo's thread aborted a rank at exit in 1 of
-    # 15 CPU runs. With NCCL this call returns once the all-reduce is queued on its stream and the
-    # copy below is ordered after it, so the GPU still overlaps it with the rest of backward.
+    # Not async + Future.then: a Python callback run on gloo's thread aborted a rank at exit in 4 of
+    # 50 CPU runs of tests/train/ddp_reduce_probe.py (0 of 20 since). With NCCL this call returns
+    # once the all-reduce is queued on its stream and the copy below is ordered after it, so the GPU
+    # still overlaps it with the rest of backward.
     dist.all_reduce(half)
     buf.copy_(half)
     done = torch.futures.Future()
@@ -255,7 +256,12 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                      "num_target_layers": reader.manifest.target.num_layers,
                      "target_config": {k: reader.manifest.target.config.get(k) for k in ("max_position_embeddings",)}}
 
+    saved_at = [-1]  # the step last checkpointed: the end of a run often falls on a --checkpoint-every step
+
     def checkpoint(epoch: int, in_epoch: int) -> None:
+        if saved_at[0] == step:  # the same weights again (GBs at the 8B shape); every rank skips alike
+            return
+        saved_at[0] = step
         if rank == 0:
             save_checkpoint(cfg.out, step, model=model, optimizer=opt, scheduler=sched, keep=cfg.keep_checkpoints,
                             state={"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "config": cfg.to_dict(),
