@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,13 @@ def _cfg(store, out, **kw):
     return TrainConfig(**args)
 
 
+def _kill_after(run, step):
+    """Leave `run` as a run killed just after its step-`step` checkpoint: the later step-N go."""
+    for ck in (Path(run) / "checkpoints").glob("step-*"):
+        if int(ck.name[5:]) > step:
+            shutil.rmtree(ck)
+
+
 def _metrics(out):
     return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
@@ -59,11 +67,7 @@ def test_resume_continues_identically(store, tmp_path):
     part = tmp_path / "part"
     train(_cfg(store, part, max_steps=30, checkpoint_every=10, token_budget=256))
     # cut the second run back to its step-10 checkpoint, as if killed there, and resume
-    for ck in (part / "checkpoints").glob("step-*"):
-        if ck.name != "step-10":
-            import shutil
-
-            shutil.rmtree(ck)
+    _kill_after(part, 10)
     # the rows logged after step 10 are dropped on resume (plus a torn line), so each step is logged once
     with open(part / "metrics.jsonl", "a") as f:
         f.write('{"step": 3')
@@ -252,11 +256,7 @@ def test_the_best_held_out_checkpoint_is_kept_and_survives_a_resume(store, tmp_p
     for k in ws:
         torch.testing.assert_close(wb[k], ws[k], rtol=0, atol=0)
     # cut back to step 30, as if killed there, and resume: a fresh best score (-inf) would keep best-50
-    for ck in (out / "checkpoints").glob("step-*"):
-        if int(ck.name[5:]) > 30:
-            import shutil
-
-            shutil.rmtree(ck)
+    _kill_after(out, 30)
     scores = iter([1.45, 1.49])
     train(_cfg(store, out, max_steps=50, val_samples=4, val_every=10, checkpoint_every=10, keep_checkpoints=10,
                resume=True))
