@@ -9,7 +9,9 @@
 # greedy decoding accepts the target's argmax; KL against the stored teacher has no such label noise.
 # CODE_N=2000 invents and answers fresh code prompts on the GPUs instead of using the committed ones;
 # EXTRA=4 adds 4 more sampled responses per packaged prompt (seed 1) to base: the drafter overfits
-# the 7,000 samples after ~13 epochs (fifth run), so more data is the lever left.
+# the 7,000 samples after ~13 epochs (fifth run), so more data is the lever left. MATH_N=2000 invents
+# and answers math word problems (MATH_PREFIX steers them) and adds them to base.
+# DEADLINE=S ends training S seconds after the script started, however long the data took (one call <= 600 s).
 # Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
 # STAGE=train resumes training and evaluates; STAGE=eval only evaluates; both while the machine is still warm).
@@ -41,16 +43,21 @@ if [ "${REGEN:-0}" = 1 ] || [ ! -f $DATA ]; then
   cat $W/sampled.0.jsonl $W/sampled.1.jsonl $W/greedy.0.jsonl $W/greedy.1.jsonl > $W/regen.jsonl
   gzip -c $W/regen.jsonl > "$OUT/regen.jsonl.gz"; DATA="$OUT/regen.jsonl.gz"
 fi
-if [ "${CODE_N:-0}" -gt 0 ]; then  # invent CODE_N code prompts on the GPUs, answer them greedily
-  regen codeq --invent "$CODE_N" --temperature 1.0 --invent-prefix "Write a Python function" --max-new-tokens 128
-  cat $W/codeq.0.jsonl $W/codeq.1.jsonl > $W/code_prompts.jsonl
-  regen codea --prompts $W/code_prompts.jsonl --temperature 0
-  cat $W/codea.0.jsonl $W/codea.1.jsonl | gzip > "$OUT/code.jsonl.gz"; CODE="$OUT/code.jsonl.gz"
-fi
 gunzip -c $DATA > $W/base.jsonl
+invented() {  # args: name, N, prefix: the target invents N prompts on the GPUs and answers them greedily
+  regen $1q --invent "$2" --temperature 1.0 --invent-prefix "$3" --max-new-tokens 128
+  cat $W/$1q.0.jsonl $W/$1q.1.jsonl > $W/$1_prompts.jsonl
+  regen $1a --prompts $W/$1_prompts.jsonl --temperature 0
+  cat $W/$1a.0.jsonl $W/$1a.1.jsonl | gzip > "$OUT/$1.jsonl.gz"; stamp invented $1
+}
+if [ "${CODE_N:-0}" -gt 0 ]; then invented code "$CODE_N" "Write a Python function"; CODE="$OUT/code.jsonl.gz"; fi
+if [ "${MATH_N:-0}" -gt 0 ]; then  # math word problems beside GSM8K's (added to base)
+  invented math "$MATH_N" "${MATH_PREFIX:-Solve this math word problem step by step:}"
+  gunzip -c "$OUT/math.jsonl.gz" >> $W/base.jsonl
+fi
 if [ "${EXTRA:-0}" -gt 0 ]; then  # EXTRA more sampled responses per prompt (seed 1: new draws), added to base
   regen extra --num-samples "$EXTRA" --temperature 0.8 --seed 1
-  cat $W/extra.0.jsonl $W/extra.1.jsonl | tee -a $W/base.jsonl | gzip > "$OUT/extra.jsonl.gz"
+  cat $W/extra.0.jsonl $W/extra.1.jsonl | tee -a $W/base.jsonl | gzip > "$OUT/extra.jsonl.gz"; stamp extra responses
 fi
 { cat $W/base.jsonl; gunzip -c $CODE; } > $W/base+code.jsonl
 wc -l $W/*.jsonl; stamp data ready
@@ -65,9 +72,13 @@ runs=("$RUN0" "$RUN1"); ids="0 1"; launch=python3; ddp_gpus=
 # DDP=1: RUN0 alone, one drafter on both GPUs (torchrun, 16,384 tokens per rank: twice the samples a step)
 if [ "${DDP:-0}" = 1 ]; then ids=0; launch="torchrun --standalone --nproc-per-node 2"; ddp_gpus=0,1; fi
 if [ "${STAGE:-all}" != eval ]; then
+tlim=$TLIM  # DEADLINE=S: training ends by S seconds after the script's start, however long the data took
+if [ -n "${DEADLINE:-}" ]; then tlim=$(( DEADLINE - ($(date +%s) - t0) )); [ $tlim -lt $TLIM ] || tlim=$TLIM; fi
+stamp training for at most $tlim s
+[ $tlim -ge 30 ] || { stamp no time left to train; ids=; }  # (timeout 0 would mean no limit at all)
 for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
-  CUDA_VISIBLE_DEVICES=${ddp_gpus:-$i} timeout $TLIM $launch -m train \
+  CUDA_VISIBLE_DEVICES=${ddp_gpus:-$i} timeout $tlim $launch -m train \
     --store /dev/shm/$store.zarr --out $W/run_$name --num-layers 3 \
     --epochs ${EPOCHS:-100} --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
     --val-samples 200 --val-every 100 --compile $extra $([ -d $W/run_$name/checkpoints ] && echo --resume) \
