@@ -6,7 +6,8 @@ Builds a synthetic store (random bf16 taps, K=5) of `samples` sequences, then ru
 train.trainer.forward_backward + AdamW on a DFlash drafter (5 layers, dims of the shape, 512
 anchors x block 16) over the same micro-batches: (a) every batch preloaded on the GPU, (b) read through
 train.data.BatchDataset + DataLoader workers (what `python -m train` runs), copied to the GPU on
-the compute stream, (c) the same with the copy on a side stream; in alternating rounds, medians.
+the compute stream, (c) the same with the copy on a side stream (as `python -m train` copies); in
+alternating rounds, medians.
 MFU counts matmul FLOPs of the trainable layers (6 per parameter per token), the frozen lm_head
 (4 V H per draft position: forward + input gradient) and attention (visible keys only).
 """
@@ -128,7 +129,7 @@ def main() -> None:
         return out
 
     # Rounds alternate the three variants (in GPU memory; from the store with the copy on the compute
-    # stream, as the trainer copies; from the store with the copy on a side stream), so that a drift in
+    # stream; from the store with the copy on a side stream, as the trainer copies), so that a drift in
     # the GPU's clocks over the run cannot pass for a difference between them: single 12-step runs of
     # the same command gave from-store ratios of 89.9% to 98.5%.
     gpu = [{k: t.to(dev) for k, t in ds[i].items()} for i in range(len(ds))]
