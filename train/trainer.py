@@ -250,7 +250,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     ddp = data_parallel(model, grad_reduce=cfg.grad_reduce) if world > 1 else model
     if cfg.attention == "flex" and device.type != "cuda":
         raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); use auto or sdpa")
-    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda")
+    if cfg.attention == "flex" and dc.head_dim < 16:
+        raise ValueError(f"--attention flex needs a head dimension >= 16 (FlexAttention's kernels); the drafter's is {dc.head_dim}")
+    # auto: FlexAttention on a GPU where its kernels apply (head dim >= 16; tiny test drafters have 8)
+    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda" and dc.head_dim >= 16)
     log = MetricsLog(cfg.out, rank == 0)
     config_record = {"train": cfg.to_dict(), "drafter": dc.to_dict(), "layer_ids": [reader.manifest.layer_ids[i] for i in tap_index],
                      "store": str(cfg.store), "target": reader.manifest.target.name,
