@@ -11,6 +11,7 @@
 # EXTRA=4 adds 4 more sampled responses per packaged prompt (seed 1) to base: the drafter overfits
 # the 7,000 samples after ~13 epochs (fifth run), so more data is the lever left. MATH_N=2000 invents
 # and answers math word problems (MATH_PREFIX steers them) and adds them to base.
+# SIXTH=1 trains on the sixth run's committed data (no generation); LAYERS sets the drafter depth (default 3).
 # DEADLINE=S ends training S seconds after the script started, however long the data took (one call <= 600 s).
 # Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
@@ -44,6 +45,10 @@ if [ "${REGEN:-0}" = 1 ] || [ ! -f $DATA ]; then
   gzip -c $W/regen.jsonl > "$OUT/regen.jsonl.gz"; DATA="$OUT/regen.jsonl.gz"
 fi
 gunzip -c $DATA > $W/base.jsonl
+MORE=docs/results/smollm2-x2-ddp-more-data  # the sixth run's generated data (460 s of two GPUs), committed
+if [ "${SIXTH:-0}" = 1 ]; then  # train on exactly the sixth run's data, in its order, without generating any
+  gunzip -c $MORE/math.jsonl.gz $MORE/extra.jsonl.gz >> $W/base.jsonl; CODE=$MORE/code.jsonl.gz
+fi
 invented() {  # args: name, N, prefix: the target invents N prompts on the GPUs and answers them greedily
   regen $1q --invent "$2" --temperature 1.0 --invent-prefix "$3" --max-new-tokens 128
   cat $W/$1q.0.jsonl $W/$1q.1.jsonl > $W/$1_prompts.jsonl
@@ -79,7 +84,7 @@ stamp training for at most $tlim s
 for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
   CUDA_VISIBLE_DEVICES=${ddp_gpus:-$i} timeout $tlim $launch -m train \
-    --store /dev/shm/$store.zarr --out $W/run_$name --num-layers 3 \
+    --store /dev/shm/$store.zarr --out $W/run_$name --num-layers ${LAYERS:-3} \
     --epochs ${EPOCHS:-100} --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
     --val-samples 200 --val-every 100 --compile $extra $([ -d $W/run_$name/checkpoints ] && echo --resume) \
     > $W/train_$name.log 2>&1 &
