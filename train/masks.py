@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_tiles", "dense_mask", "flex_block_mask"]
+__all__ = ["block_tiles", "dense_mask", "flex_block_mask", "use_flex_attention"]
 
 
 def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -89,3 +89,22 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
     (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
                                     seq_lengths=(q_len, kv_len))
+
+
+FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels refuse smaller heads (inductor's "NYI: embedding dimension")
+
+
+def use_flex_attention(choice: str, device_type: str, head_dim: int) -> bool:
+    """Whether training attends with FlexAttention (else SDPA over the dense mask).
+
+    auto takes FlexAttention on a GPU where its kernels apply; flex where they cannot raises a one-line
+    ValueError instead of an error from deep inside inductor; sdpa never.
+    """
+    if choice not in ("auto", "flex", "sdpa"):
+        raise ValueError(f"attention {choice!r}: choose auto, flex or sdpa")
+    fits = head_dim >= FLEX_MIN_HEAD_DIM
+    if choice == "flex" and device_type != "cuda":
+        raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); use auto or sdpa")
+    if choice == "flex" and not fits:
+        raise ValueError(f"--attention flex needs a head dimension >= {FLEX_MIN_HEAD_DIM}; the drafter's is {head_dim}")
+    return choice == "flex" or (choice == "auto" and device_type == "cuda" and fits)

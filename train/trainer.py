@@ -25,7 +25,7 @@ from train.config import RESUME_FREE, TrainConfig
 from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout, to_device
 from train.follow import StoreView, agree_view, view_of, wait_for_store
 from train.losses import LossOut, acceptance_from_acc, default_gamma, draft_loss
-from train.masks import dense_mask, flex_block_mask
+from train.masks import dense_mask, flex_block_mask, use_flex_attention
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
 from train.model import DFlashDrafter, DrafterConfig
 
@@ -248,12 +248,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
         model.compile_layers()
     ddp = data_parallel(model, grad_reduce=cfg.grad_reduce) if world > 1 else model
-    if cfg.attention == "flex" and device.type != "cuda":
-        raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); use auto or sdpa")
-    if cfg.attention == "flex" and dc.head_dim < 16:
-        raise ValueError(f"--attention flex needs a head dimension >= 16 (FlexAttention's kernels); the drafter's is {dc.head_dim}")
-    # auto: FlexAttention on a GPU where its kernels apply (head dim >= 16; tiny test drafters have 8)
-    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and device.type == "cuda" and dc.head_dim >= 16)
+    use_flex = use_flex_attention(cfg.attention, device.type, dc.head_dim)
     log = MetricsLog(cfg.out, rank == 0)
     config_record = {"train": cfg.to_dict(), "drafter": dc.to_dict(), "layer_ids": [reader.manifest.layer_ids[i] for i in tap_index],
                      "store": str(cfg.store), "target": reader.manifest.target.name,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from train.anchors import IGNORE, build_blocks, sample_anchors
 from train.losses import acceptance_from_acc, decay_weights, draft_loss
-from train.masks import block_tiles, dense_mask, flex_block_mask
+from train.masks import block_tiles, dense_mask, flex_block_mask, use_flex_attention
 
 
 def mask_oracle(anchors: list[list[int]], ctx_len: int, bs: int) -> torch.Tensor:
@@ -83,6 +83,22 @@ def test_flex_block_mask_tiles_equal_create_block_mask():
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
     assert torch.equal(ours.to_dense(), theirs.to_dense())
+
+
+def test_attention_choice_uses_flex_only_where_its_kernels_run():
+    # every choice x device x head dim against the rule written out: auto takes flex on a GPU with
+    # heads >= 16 (the tiny test drafters have 8, and inductor raised on them); flex elsewhere refuses
+    for choice in ("auto", "flex", "sdpa"):
+        for device in ("cpu", "cuda"):
+            for head_dim in (8, 15, 16, 64, 128):
+                if choice == "flex" and (device == "cpu" or head_dim < 16):
+                    with pytest.raises(ValueError, match="--attention flex needs"):
+                        use_flex_attention(choice, device, head_dim)
+                    continue
+                want = choice == "flex" or (choice == "auto" and device == "cuda" and head_dim >= 16)
+                assert use_flex_attention(choice, device, head_dim) is want, (choice, device, head_dim)
+    with pytest.raises(ValueError, match="choose auto, flex or sdpa"):
+        use_flex_attention("xformers", "cuda", 64)
 
 
 def test_anchor_sampler_properties():
