@@ -11,7 +11,7 @@ __all__ = ["TrainConfig"]
 
 # How the chunked lm_head + loss makes its gradients (train.losses.draft_loss).
 LOSS_BACKWARDS = ("fused", "recompute", "keep")
-# The dtype DDP all-reduces gradients in (train.trainer.data_parallel).
+# The dtype DDP all-reduces gradients in (train.data_parallel).
 GRAD_REDUCES = ("fp32", "bf16")
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,13 +23,14 @@ from cache_format import StoreReader
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
 from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout, to_device
+from train.data_parallel import data_parallel
 from train.follow import StoreView, agree_view, view_of, wait_for_store
 from train.losses import LossOut, acceptance_from_acc, default_gamma, draft_loss
 from train.masks import dense_mask, flex_block_mask, use_flex_attention
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
 from train.model import DFlashDrafter, DrafterConfig
 
-__all__ = ["build_drafter", "data_parallel", "drafter_config", "train"]
+__all__ = ["build_drafter", "drafter_config", "train"]
 
 
 def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig, list[int]]:
@@ -122,31 +123,6 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
 # Steps before an epoch's end at which the next epoch's DataLoader workers start (memory: one more
 # set of workers' prefetched batches for that long).
 AHEAD_STEPS = 8
-
-
-def data_parallel(model: torch.nn.Module, *, grad_reduce: str) -> torch.nn.parallel.DistributedDataParallel:
-    """DDP over the initialised process group, all-reducing gradients in `grad_reduce` (fp32 or bf16)."""
-    # gradients as views of the all-reduce buckets: no copy into them each step, and 4 bytes a parameter less memory
-    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-    if grad_reduce == "bf16":
-        ddp.register_comm_hook(None, _bf16_all_reduce)
-    return ddp
-
-
-def _bf16_all_reduce(_state, bucket):  # no annotations: DDP checks them, and these would be strings here
-    """A DDP comm hook (bucket: dist.GradBucket -> Future of its tensor): the bucket's mean over ranks,
-    summed in bf16. PyTorch's own bf16 hook refuses anything but NCCL, and the CPU tests run gloo."""
-    buf = bucket.buffer()  # [n] fp32 gradients of this bucket
-    half = buf.to(torch.bfloat16).div_(dist.get_world_size())  # divided first: the sum stays in range
-    # Not async + Future.then: a Python callback run on gloo's thread aborted a rank at exit in 4 of
-    # 50 CPU runs of tests/train/ddp_reduce_probe.py (0 of 20 since). With NCCL this call returns
-    # once the all-reduce is queued on its stream and the copy below is ordered after it, so the GPU
-    # still overlaps it with the rest of backward.
-    dist.all_reduce(half)
-    buf.copy_(half)
-    done = torch.futures.Future()
-    done.set_result(buf)
-    return done
 
 
 def _lr_lambda(total: int, warmup: float):

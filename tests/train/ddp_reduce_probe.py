@@ -1,4 +1,4 @@
-"""Run under torchrun (2 gloo ranks) by test_trainer: the gradient that train.trainer.data_parallel
+"""Run under torchrun (2 gloo ranks) by test_trainer: the gradient that train.data_parallel.data_parallel
 all-reduces, in each dtype. Every rank's gradient is 1 + 2**-10: exact in fp32, 1.0 in bf16 (8-bit
 mantissa), so the averaged gradient says which dtype was on the wire."""
 
@@ -9,7 +9,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from train.trainer import data_parallel
+from train.data_parallel import data_parallel
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
