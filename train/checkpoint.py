@@ -59,14 +59,18 @@ def save_best(run: str | os.PathLike, step: int, *, model: torch.nn.Module, stat
     return final
 
 
+def _newest(run: str | os.PathLike, prefix: str) -> Path | None:
+    root = Path(run) / "checkpoints"
+    steps = _steps(root, prefix)
+    return root / f"{prefix}{steps[-1]}" if steps else None
+
+
 def latest_checkpoint(run: str | os.PathLike) -> Path | None:
-    steps = _steps(Path(run) / "checkpoints", "step-")
-    return Path(run) / "checkpoints" / f"step-{steps[-1]}" if steps else None
+    return _newest(run, "step-")
 
 
 def best_checkpoint(run: str | os.PathLike) -> Path | None:
-    steps = _steps(Path(run) / "checkpoints", "best-")
-    return Path(run) / "checkpoints" / f"best-{steps[-1]}" if steps else None
+    return _newest(run, "best-")
 
 
 def resolve_checkpoint(run: str | os.PathLike, which: str = "") -> Path:

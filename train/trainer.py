@@ -231,12 +231,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                      "num_target_layers": reader.manifest.target.num_layers,
                      "target_config": {k: reader.manifest.target.config.get(k) for k in ("max_position_embeddings",)}}
 
-    saved_at = [-1]  # the step last checkpointed: the end of a run often falls on a --checkpoint-every step
+    saved_at = -1  # the step last checkpointed: the end of a run often falls on a --checkpoint-every step
 
     def checkpoint(epoch: int, in_epoch: int) -> None:
-        if saved_at[0] == step:  # the same weights again (GBs at the 8B shape); every rank skips alike
+        nonlocal saved_at
+        if saved_at == step:  # the same weights again (GBs at the 8B shape); every rank skips alike
             return
-        saved_at[0] = step
+        saved_at = step
         if rank == 0:
             save_checkpoint(cfg.out, step, model=model, optimizer=opt, scheduler=sched, keep=cfg.keep_checkpoints,
                             state={"step": step, "epoch": epoch, "step_in_epoch": in_epoch, "config": cfg.to_dict(),
