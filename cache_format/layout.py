@@ -18,9 +18,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import google_crc32c
+import numpy as np
 
 from cache_format.errors import CacheFormatError
 from cache_format.schema import Manifest
@@ -37,6 +41,7 @@ __all__ = [
     "shard_file",
     "token_arrays",
     "update_root_attrs",
+    "write_raw_shard",
 ]
 
 MANIFEST_KEY = "draftcache"
@@ -130,3 +135,37 @@ def update_root_attrs(root: str | os.PathLike, *, consolidated: bool = False, **
     if not consolidated:
         doc.pop("consolidated_metadata", None)
     atomic_write_bytes(meta, json.dumps(doc, indent=2).encode())
+
+
+def write_raw_shard(path: Path, data: np.ndarray, chunk_rows: int) -> None:
+    """Write one full, uncompressed shard exactly as zarr v3 would, without zarr's encode copies.
+
+    zarr-python's sharded write path measured 0.47 GB/s inside extraction on an H200 host; this
+    one is a single buffered write. Layout (zarr v3 sharding codec, index at the end): the inner
+    chunks' little-endian C-order bytes back to back, then a uint64 (offset, nbytes) pair per
+    chunk, then the crc32c of that index (little-endian uint32). chunk_rows=0 writes a plain
+    unsharded chunk (the 1-D arrays). Temp file + rename, like zarr's LocalStore.
+    """
+    data = np.ascontiguousarray(data)
+    if data.dtype.byteorder == ">":
+        raise ValueError("big-endian buffers are not supported")
+    tail = b""
+    if chunk_rows:
+        n = data.shape[0] // chunk_rows
+        size = data.nbytes // n
+        index = np.empty((n, 2), dtype="<u8")
+        index[:, 0] = np.arange(n, dtype=np.uint64) * size
+        index[:, 1] = size
+        crc = google_crc32c.Checksum()
+        crc.update(index.tobytes())
+        tail = index.tobytes() + int.from_bytes(crc.digest(), "big").to_bytes(4, "little")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(memoryview(data).cast("B"))
+            f.write(tail)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

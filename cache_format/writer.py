@@ -8,6 +8,10 @@ Commit protocol (one writer process per GPU rank, each with its own writer id):
 3. Only after the write returns is one line appended to the writer's done-log and fsync'd: the
    samples that ended in that shard, and a crc32c of every array's shard rows. A sample that is
    not in a done-log does not exist for readers.
+   A full shard is written and committed by the writer's one I/O thread while `add` fills the
+   next buffer (the write into tmpfs is most of a shard's cost: docs/BENCHMARKS.md, Store); at
+   most one shard is in flight, and commits stay in order. An I/O error surfaces when the next
+   shard is handed over, or at `flush`/`close`. No GPU work runs on that thread.
 4. `flush()` (and `close()`) also write the incomplete tail shard; a later write rewrites it whole
    with more rows, and its newer log entry supersedes the old checksum.
 5. On reopen, the writer drops everything past its last commit: `*.partial` files, rows beyond
@@ -22,11 +26,11 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import google_crc32c
 import numpy as np
 import torch
 import zarr
@@ -46,6 +50,7 @@ from cache_format.layout import (
     shard_file,
     token_arrays,
     update_root_attrs,
+    write_raw_shard,
 )
 from cache_format.logs import read_commit_log
 from cache_format.schema import Manifest, bucket_of, manifest_differences
@@ -138,6 +143,9 @@ class ShardWriter:
         self._buckets: dict[int, _Bucket] = {}
         self._zarr: dict[int, dict[str, zarr.Array]] = {}
         self.fp8_err = [0.0, 0.0]  # sum of squared error, sum of squares (fp8 only)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"draftcache-w{writer_id}")
+        self._in_flight: Future | None = None  # the shard the I/O thread is writing; its result is its buffer
+        self._spare: list[dict[str, np.ndarray]] = []  # shard buffers whose write has finished
         with _os_errors(self.root):
             self.committed: set[int] = self._recover()
 
@@ -165,9 +173,13 @@ class ShardWriter:
         return committed
 
     def _new_bucket(self, base: int) -> _Bucket:
-        buf = {a.name: np.empty((self._rows, a.width) if a.width else (self._rows,), dtype=a.dtype)
-               for a in self._arrays}
-        return _Bucket(base=base, fill=0, buf=buf)
+        return _Bucket(base=base, fill=0, buf=self._new_buffer())
+
+    def _new_buffer(self) -> dict[str, np.ndarray]:
+        if self._spare:
+            return self._spare.pop()
+        return {a.name: np.empty((self._rows, a.width) if a.width else (self._rows,), dtype=a.dtype)
+                for a in self._arrays}
 
     def _open(self, bucket: int) -> dict[str, zarr.Array]:
         """This writer's arrays for `bucket`, created empty on first use."""
@@ -242,43 +254,62 @@ class ShardWriter:
             bucket.fill += take
             done += take
             if bucket.fill == self._rows:
-                self._write(b, bucket)
+                self._submit(b, bucket)
                 bucket.base += self._rows
                 bucket.fill = 0
 
-    def _write(self, b: int, bucket: _Bucket) -> None:
-        """Write rows [base, base+fill) of bucket `b` as one whole shard, then commit."""
+    def _submit(self, b: int, bucket: _Bucket) -> None:
+        """Commit bucket `b`'s rows [base, base+fill): a full shard on the I/O thread (the bucket
+        gets a fresh buffer), a tail shard here and now (its buffer keeps filling afterwards)."""
         end = bucket.base + bucket.fill
-        arrays = self._open(b)
+        done = [(sid, n) for sid, n, e in bucket.pending if e <= end]
+        bucket.pending = [p for p in bucket.pending if p[2] > end]
+        fp8_err, self.fp8_err = self.fp8_err, [0.0, 0.0]
+        self._wait()  # at most one shard in flight, so commits land in order
+        job = (b, bucket.base, bucket.fill, bucket.buf, done, fp8_err)
+        if bucket.fill == self._rows:
+            bucket.buf = self._new_buffer()
+            self._in_flight = self._io.submit(self._write, *job)
+        else:
+            self._write(*job)
+
+    def _wait(self) -> None:
+        """Wait for the shard in flight; its buffer becomes a spare, its error is raised here."""
+        f, self._in_flight = self._in_flight, None
+        if f is not None:
+            self._spare.append(f.result())
+
+    def _write(self, b: int, base: int, fill: int, buf: dict[str, np.ndarray], done: list[tuple[int, int]],
+               fp8_err: list[float]) -> dict[str, np.ndarray]:
+        """Write rows [base, base+fill) of bucket `b` as one whole shard, then commit `done`; returns `buf`."""
+        end = base + fill
         with _os_errors(self.root), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            arrays = self._open(b)
             crc = {}
-            raw = bucket.fill == self._rows and self.manifest.compression == "none"
+            raw = fill == self._rows and self.manifest.compression == "none"
             for a in self._arrays:
-                z, data = arrays[a.name], bucket.buf[a.name][: bucket.fill]
+                z, data = arrays[a.name], buf[a.name][:fill]
                 if z.shape[0] != end:
                     z.resize((end, *z.shape[1:]))
                 if raw:  # a whole uncompressed shard: its zarr v3 bytes are the rows + an index
-                    write_raw_shard(shard_file(self.root, group_key(self.writer_id, b), a, bucket.base // self._rows),
+                    write_raw_shard(shard_file(self.root, group_key(self.writer_id, b), a, base // self._rows),
                                     data, self.manifest.rows_per_chunk if a.width else 0)
                 else:
-                    z[bucket.base: end] = data
+                    z[base:end] = data
                 crc[a.name] = checksum(data)
-            done = [(sid, n) for sid, n, e in bucket.pending if e <= end]
-            entry = {"bucket": b, "shard": bucket.base // self._rows, "rows": bucket.fill,
-                     "crc32c": crc, "samples": done}
-            if bucket.fill < self._rows:
+            entry = {"bucket": b, "shard": base // self._rows, "rows": fill, "crc32c": crc, "samples": done}
+            if fill < self._rows:
                 # A tail shard's edge chunk is padded past the array's end; the padding is not
                 # covered by the row checksums, so checksum the stored files too (small, rare).
                 entry["file_crc32c"] = {a.name: file_checksum(shard_file(self.root, group_key(self.writer_id, b), a,
                                                                           entry["shard"]))
                                         for a in self._arrays}
             if self.manifest.dtype == "fp8_e4m3":  # error added since the previous entry
-                entry["fp8_sq_err"], entry["fp8_sq_ref"] = self.fp8_err
-                self.fp8_err = [0.0, 0.0]
+                entry["fp8_sq_err"], entry["fp8_sq_ref"] = fp8_err
             self._append_log(entry)
-        bucket.pending = [p for p in bucket.pending if p[2] > end]
         self.committed.update(sid for sid, _ in done)
+        return buf
 
     def _append_log(self, entry: dict) -> None:
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -291,10 +322,14 @@ class ShardWriter:
         """Write and commit every bucket's incomplete tail shard (readers can then see it)."""
         for b, bucket in sorted(self._buckets.items()):
             if bucket.pending:
-                self._write(b, bucket)
+                self._submit(b, bucket)
+        self._wait()
 
     def close(self) -> None:
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            self._io.shutdown(wait=True)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -302,42 +337,13 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-
-
-def write_raw_shard(path: Path, data: np.ndarray, chunk_rows: int) -> None:
-    """Write one full, uncompressed shard exactly as zarr v3 would, without zarr's encode copies.
-
-    zarr-python's sharded write path measured 0.47 GB/s inside extraction on an H200 host; this
-    one is a single buffered write. Layout (zarr v3 sharding codec, index at the end): the inner
-    chunks' little-endian C-order bytes back to back, then a uint64 (offset, nbytes) pair per
-    chunk, then the crc32c of that index (little-endian uint32). chunk_rows=0 writes a plain
-    unsharded chunk (the 1-D arrays). Temp file + rename, like zarr's LocalStore.
-    """
-    import uuid
-
-    data = np.ascontiguousarray(data)
-    if data.dtype.byteorder == ">":
-        raise ValueError("big-endian buffers are not supported")
-    tail = b""
-    if chunk_rows:
-        n = data.shape[0] // chunk_rows
-        size = data.nbytes // n
-        index = np.empty((n, 2), dtype="<u8")
-        index[:, 0] = np.arange(n, dtype=np.uint64) * size
-        index[:, 1] = size
-        crc = google_crc32c.Checksum()
-        crc.update(index.tobytes())
-        tail = index.tobytes() + int.from_bytes(crc.digest(), "big").to_bytes(4, "little")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.partial")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(memoryview(data).cast("B"))
-            f.write(tail)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+            return
+        try:  # failing: the full shard in flight is still committed (it is whole); tails are not
+            self._wait()
+        except CacheFormatError:
+            pass  # the error being raised already says what went wrong
+        finally:
+            self._io.shutdown(wait=True)
 
 
 def _logical_dtype(a: TokenArray, m: Manifest) -> str:

@@ -124,6 +124,72 @@ def test_sigkill_mid_shard_then_resume(tmp_path):
     assert verify_store(path)["ok"]
 
 
+def test_io_thread_error_surfaces_in_one_line_and_resume_completes(tmp_path, monkeypatch):
+    """A write failing on the writer's I/O thread is raised in the caller as one line; the shards
+    committed before it stay readable and whole, and a new writer finishes the job."""
+    import errno
+
+    import cache_format.writer as writer_mod
+
+    path, m = tmp_path / "s.zarr", make_manifest()
+    create_store(path, m)
+    real, calls = writer_mod.write_raw_shard, {"n": 0}
+
+    def failing(p, data, chunk_rows):
+        calls["n"] += 1
+        if calls["n"] > 12:  # a few full shards in (each writes one file per array)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(p, data, chunk_rows)
+
+    monkeypatch.setattr(writer_mod, "write_raw_shard", failing)
+    ids = list(range(60))
+    n = {i: sample_length(i, 16) for i in ids}  # short: each 32-row shard ends several samples
+    with pytest.raises(CacheFormatError) as e, ShardWriter(path, writer_id=0) as w:
+        for i in ids:
+            w.add(i, **make_sample(i, n[i], m))
+    assert "No space left on device" in str(e.value) and "\n" not in str(e.value)
+    seen = StoreReader(path).sample_ids.tolist()
+    assert 0 < len(seen) < len(ids) and verify_store(path)["ok"]
+    monkeypatch.setattr(writer_mod, "write_raw_shard", real)
+    with ShardWriter(path, writer_id=0) as w:
+        assert w.committed == set(seen)
+        for i in ids:
+            if i not in w.committed:
+                w.add(i, **make_sample(i, n[i], m))
+    finalize_store(path, m)
+    r = StoreReader(path)
+    assert sorted(r.sample_ids.tolist()) == ids
+    for got in r.get_batch(ids):
+        assert_sample_equal(got, make_sample(got.sample_id, n[got.sample_id], m))
+
+
+def test_slow_io_thread_gets_its_own_buffer(tmp_path, monkeypatch):
+    """While the I/O thread writes a full shard, `add` keeps filling the next one: a slow write must
+    still store the rows the shard had when it was handed over (the buffers are swapped, not shared)."""
+    import time
+
+    import cache_format.writer as writer_mod
+
+    path, m = tmp_path / "s.zarr", make_manifest()
+    create_store(path, m)
+    real = writer_mod.write_raw_shard
+
+    def slow(p, data, chunk_rows):
+        time.sleep(0.02)  # main fills the next shard's buffer meanwhile
+        return real(p, data, chunk_rows)
+
+    monkeypatch.setattr(writer_mod, "write_raw_shard", slow)
+    ids = list(range(60))
+    with ShardWriter(path, writer_id=0) as w:
+        for i in ids:
+            w.add(i, **make_sample(i, sample_length(i, m.max_len), m))
+    finalize_store(path, m)
+    r = StoreReader(path)
+    assert sorted(r.sample_ids.tolist()) == ids and verify_store(path)["ok"]
+    for got in r.get_batch(ids):
+        assert_sample_equal(got, make_sample(got.sample_id, sample_length(got.sample_id), m))
+
+
 def test_refresh_sees_new_commits(tmp_path):
     path, m = tmp_path / "s.zarr", make_manifest()
     create_store(path, m)
@@ -165,7 +231,7 @@ def test_raw_shard_bytes_equal_zarr_encoding(tmp_path):
     import numpy as np
     import zarr
 
-    from cache_format.writer import write_raw_shard
+    from cache_format.layout import write_raw_shard
 
     x = np.random.default_rng(0).integers(0, 65535, (64, 6), dtype=np.uint16)
     a = zarr.create_array(str(tmp_path / "z.zarr"), shape=(64, 6), dtype="uint16", chunks=(8, 6), shards=(32, 6),
