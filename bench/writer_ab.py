@@ -1,0 +1,50 @@
+"""One ShardWriter's write rate, for A/B runs of two checkouts on the same machine.
+
+    python bench/writer_ab.py --root /path/to/checkout --tokens 150000
+
+Imports cache_format from --root (so an older commit's writer can be timed against this one's,
+alternating), touches and frees 6.7 GB of tmpfs first (on the CPU VM the first touch of fresh
+guest pages costs 4x a reused one, which swamped the difference being measured), then writes
+synthetic bf16 rows of width 20480 (Qwen3-8B, 5 taps) with store_bench's sample lengths. One line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--root", required=True, help="checkout whose cache_format is timed")
+ap.add_argument("--tokens", type=int, default=150_000)
+ap.add_argument("--dir", default="/dev/shm")
+a = ap.parse_args()
+sys.path[:0] = [a.root, os.path.join(a.root, "bench")]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from store_bench import lengths, manifest  # noqa: E402
+
+from cache_format import ShardWriter, create_store  # noqa: E402
+
+path = os.path.join(a.dir, f"writer_ab_{os.getpid()}.zarr")
+m = manifest(20480, 5, 2048)
+create_store(path, m)
+pool = torch.randn(4096, m.row_width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+ids, mask = torch.zeros(4096, dtype=torch.int32), torch.ones(4096, dtype=torch.uint8)
+junk = np.ones(64 << 20, dtype=np.uint8)
+for i in range(100):
+    with open(os.path.join(a.dir, f"writer_ab_junk{i}"), "wb") as f:
+        f.write(junk)
+for i in range(100):
+    os.unlink(os.path.join(a.dir, f"writer_ab_junk{i}"))
+t0, nbytes = time.perf_counter(), 0
+with ShardWriter(path, writer_id=0) as w:
+    for sid, n in enumerate(lengths(a.tokens, 0)):
+        w.add(sid, input_ids=ids[:n], loss_mask=mask[:n], hidden=pool[:n])
+        nbytes += n * m.row_width * 2
+dt = time.perf_counter() - t0
+print(f"{a.root}: {nbytes / dt / 1e9:.3f} GB/s ({nbytes / 1e9:.2f} GB in {dt:.2f} s)", flush=True)
+shutil.rmtree(path)
