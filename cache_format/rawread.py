@@ -1,7 +1,7 @@
 """Direct reads of uncompressed shards: pread straight into the output buffer.
 
 The store stays plain zarr v3; this is only a faster way to read what zarr wrote (and what
-writer.write_raw_shard writes, byte-identical). zarr-python's default read path measured
+layout.write_raw_shard writes, byte-identical). zarr-python's default read path measured
 1.1 GB/s per process on an H200 host (docs/BENCHMARKS.md); a sample here costs a few preads.
 
 Sharded arrays (index at the end, ../shared/docs/zarr.md §1): a shard file holds its inner chunks

@@ -45,7 +45,7 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--queue-batches", default=4, show_default=True,
               help="Slots of the host ring that forward batches wait in for the writers. Host RAM for "
                    "the ring is queue_batches x token_budget x bytes/token (4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B, "
-                   "5 taps), plus one shard buffer per length bucket.")
+                   "5 taps), plus one shard buffer per length bucket and one more per writer (the shard being written).")
 @click.option("--writer", type=click.Choice(["thread", "process"]), default="thread", show_default=True,
               help="Write the store from threads of the GPU process, or from writer processes that "
                    "read the ring from shared memory.")

@@ -145,7 +145,8 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
 
     # ------------------------------------------------------------------ forward -> store
     # Host RAM for the ring is queue_batches x token_budget x bytes_per_token (e.g. 4 x 16384 x
-    # 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard buffer per bucket and writer.
+    # 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard buffer per bucket and writer, and one
+    # more per writer for the shard its I/O thread is writing.
     bar = tqdm(total=sum(len(by_id[s].input_ids) for s in mine), unit="tok", disable=world.rank != 0,
                desc=f"extract x{world.world_size}")
     t_loop = time.time()
