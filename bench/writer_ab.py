@@ -1,11 +1,12 @@
 """One ShardWriter's write rate, for A/B runs of two checkouts on the same machine.
 
-    python bench/writer_ab.py --root /path/to/checkout --tokens 150000
+    python bench/writer_ab.py --root /path/to/checkout --tokens 150000 [--profile]
 
 Imports cache_format from --root (so an older commit's writer can be timed against this one's,
 alternating), touches and frees 6.7 GB of tmpfs first (on the CPU VM the first touch of fresh
 guest pages costs 4x a reused one, which swamped the difference being measured), then writes
-synthetic bf16 rows of width 20480 (Qwen3-8B, 5 taps) with store_bench's sample lengths. One line.
+synthetic bf16 rows of width 20480 (Qwen3-8B, 5 taps) with store_bench's sample lengths. One line;
+--profile adds cProfile's cumulative times of the writer's functions (the calling thread only).
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--root", required=True, help="checkout whose cache_format is timed")
 ap.add_argument("--tokens", type=int, default=150_000)
 ap.add_argument("--dir", default="/dev/shm")
+ap.add_argument("--profile", action="store_true")
 a = ap.parse_args()
 sys.path[:0] = [a.root, os.path.join(a.root, "bench")]
+
+import cProfile  # noqa: E402
+import pstats  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -40,11 +45,17 @@ for i in range(100):
         f.write(junk)
 for i in range(100):
     os.unlink(os.path.join(a.dir, f"writer_ab_junk{i}"))
+prof = cProfile.Profile()
+if a.profile:
+    prof.enable()
 t0, nbytes = time.perf_counter(), 0
 with ShardWriter(path, writer_id=0) as w:
     for sid, n in enumerate(lengths(a.tokens, 0)):
         w.add(sid, input_ids=ids[:n], loss_mask=mask[:n], hidden=pool[:n])
         nbytes += n * m.row_width * 2
 dt = time.perf_counter() - t0
+prof.disable()
 print(f"{a.root}: {nbytes / dt / 1e9:.3f} GB/s ({nbytes / 1e9:.2f} GB in {dt:.2f} s)", flush=True)
+if a.profile:
+    pstats.Stats(prof).sort_stats("cumtime").print_stats(r"writer.py|layout.py|codec.py|zarr/core/array.py", 20)
 shutil.rmtree(path)
