@@ -340,8 +340,8 @@ class ShardWriter:
             return
         try:  # failing: the full shard in flight is still committed (it is whole); tails are not
             self._wait()
-        except CacheFormatError:
-            pass  # the error being raised already says what went wrong
+        except Exception:  # noqa: BLE001 - the error already being raised is the one to report
+            pass
         finally:
             self._io.shutdown(wait=True)
 
