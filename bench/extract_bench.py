@@ -1,11 +1,14 @@
 """Extraction rate with the store vs the bare forward, same model, same batches, one run.
 
     python bench/extract_bench.py --store /dev/shm/xb.zarr --shape qwen3-8b --batches 20 --batch 8 --seq 2048
+    python bench/extract_bench.py ... --dtype fp8_e4m3 --variants thread:3 --profile 4   # + where the time goes
 
 Random-weight target built from a config (no download), bf16 on GPU. "bare" runs the decoder
 stack with the same hooks, concatenation and finiteness check; "store" adds the host copies, the
 writers and the zarr store (extract.pipeline.run_batches, exactly what `python -m extract`
-runs). Prints one JSON object.
+runs). Prints one JSON line per variant. --profile N then runs N more batches of the first variant
+under torch.profiler and prints its top ops by device time (CPU time without a GPU), to attribute a
+ratio below 100% (e.g. the fp8 quantization kernels beside the forwards).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--queue-batches", type=int, default=4)
     ap.add_argument("--variants", default="thread:2",
                     help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many store batches; print the top ops")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build(a.shape, dev)
@@ -82,6 +86,20 @@ def main() -> None:
                           "batches": a.batches, "layer_ids": layer_ids,
                           "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
                           "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}), flush=True)
+    if a.profile:
+        profile_store(a, model, layer_ids, batches[a.warmup: a.warmup + a.profile], a.variants.split(",")[0], dev)
+
+
+def profile_store(a, model, layer_ids, batches, variant: str, dev: torch.device) -> None:
+    """The store run of `variant` over `batches` under torch.profiler: the top ops by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    writer, n = variant.split(":")
+    with profile(activities=acts) as prof:
+        run_store(a, model, layer_ids, batches, writer, int(n), dev, sum(len(b) for b in batches) * a.seq)
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
 
 
 def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.device, tokens: int) -> tuple[float, int]:

@@ -12,7 +12,9 @@
 #                                      #   (bench/compile_probe.py, own cache dirs), then 2 GPUs, warm
 #   bash bench/gpu_rates.sh ddp2       # x2 warm (same call or the next): 2 GPUs, same store; scaling vs ddp1's rate
 #   bash bench/gpu_rates.sh savecache  # the inductor cache as $OUT/inductor.tgz, to carry to a fresh machine
-#   bash bench/gpu_rates.sh fp8        # 1 GPU: extraction rate into an fp8 store
+#   bash bench/gpu_rates.sh fp8        # 1 GPU: extraction rate into an fp8 store (FP8PROF=4: then 4 batches
+#                                      #   under torch.profiler: the top CUDA ops and the fp8_quantize range)
+#   bash bench/gpu_rates.sh store      # CPU only: store write/read GB/s on the host's /dev/shm
 #   bash bench/gpu_rates.sh layout     # x2: extract on GPU 0 while train --follow runs on GPU 1
 # Several stages run in order: `bash bench/gpu_rates.sh ddp2 layout`. On a fresh machine every compile is cold
 # (minutes at the 8B shape); an inductor cache carried as .devcarry/inductor.tgz is unpacked first.
@@ -93,7 +95,11 @@ savecache)  # fits the 16 MiB a returned file may have, or says it does not
   ;;
 fp8)  # 1 GPU: extraction into an fp8 store (quantized on the GPU)
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr --dtype fp8_e4m3 \
-    --variants thread:3 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote'
+    --variants thread:3 --profile ${FP8PROF:-0} 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote|fp8_quantize|Self CUDA'
+  ;;
+store)  # the store bench on this host's /dev/shm (CPU only): write GB/s per process, reads, open
+  timeout 300 python3 bench/store_bench.py --dir /dev/shm/sb --width 20480 --tokens 300000 --writers 1,4 --readers 1,4 \
+    --open-samples 0 2>&1 | tee "$OUT/store.log" | tail -n 1; rm -rf /dev/shm/sb
   ;;
 layout)  # x2: the design card's layout, stage one on GPU 0 while stage two follows on GPU 1
   timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape $SHAPE --samples 1024 --words 1400 --steps 150 --compile \

@@ -155,11 +155,13 @@ def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tenso
     small[:, 0] = ok.double()
     fields = {"hidden": hid}
     if fp8_layers:
-        bits, scales = fp8_quantize(hid, fp8_layers)  # [B, T, K*H] uint8, [B, T, K] float32
-        err, ref = fp8_sq_sums(hid, bits, scales)  # [B, T] each
-        real = att.double()  # [B, T]
-        small[:, 1] = (err * real).sum(-1)
-        small[:, 2] = (ref * real).sum(-1)
+        # a named range, so a profile (bench/extract_bench.py --profile) can price the quantization
+        with torch.profiler.record_function("draftcache.fp8_quantize"):
+            bits, scales = fp8_quantize(hid, fp8_layers)  # [B, T, K*H] uint8, [B, T, K] float32
+            err, ref = fp8_sq_sums(hid, bits, scales)  # [B, T] each
+            real = att.double()  # [B, T]
+            small[:, 1] = (err * real).sum(-1)
+            small[:, 2] = (ref * real).sum(-1)
         fields = {"hidden": bits, "scales": scales}
     if last is not None:
         fields["last"] = last
