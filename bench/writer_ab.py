@@ -5,7 +5,8 @@
 Imports cache_format from --root (so an older commit's writer can be timed against this one's,
 alternating), touches and frees 6.7 GB of tmpfs first (on the CPU VM the first touch of fresh
 guest pages costs 4x a reused one, which swamped the difference being measured), then writes
-synthetic bf16 rows of width 20480 (Qwen3-8B, 5 taps) with store_bench's sample lengths. One line;
+synthetic bf16 rows of width 20480 (Qwen3-8B, 5 taps) with store_bench's sample lengths and its
+timed write loop (store_bench.write_part, from --root too). One line;
 --profile adds cProfile's cumulative times of the writer's functions (the calling thread only).
 """
 
@@ -15,7 +16,6 @@ import argparse
 import os
 import shutil
 import sys
-import time
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--root", required=True, help="checkout whose cache_format is timed")
@@ -27,18 +27,16 @@ sys.path[:0] = [a.root, os.path.join(a.root, "bench")]
 
 import cProfile  # noqa: E402
 import pstats  # noqa: E402
+import queue  # noqa: E402
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from store_bench import lengths, manifest  # noqa: E402
+from store_bench import lengths, manifest, write_part  # noqa: E402
 
-from cache_format import ShardWriter, create_store  # noqa: E402
+from cache_format import create_store  # noqa: E402
 
 path = os.path.join(a.dir, f"writer_ab_{os.getpid()}.zarr")
 m = manifest(20480, 5, 2048)
 create_store(path, m)
-pool = torch.randn(4096, m.row_width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-ids, mask = torch.zeros(4096, dtype=torch.int32), torch.ones(4096, dtype=torch.uint8)
 junk = np.ones(64 << 20, dtype=np.uint8)
 for i in range(100):
     with open(os.path.join(a.dir, f"writer_ab_junk{i}"), "wb") as f:
@@ -48,13 +46,10 @@ for i in range(100):
 prof = cProfile.Profile()
 if a.profile:
     prof.enable()
-t0, nbytes = time.perf_counter(), 0
-with ShardWriter(path, writer_id=0) as w:
-    for sid, n in enumerate(lengths(a.tokens, 0)):
-        w.add(sid, input_ids=ids[:n], loss_mask=mask[:n], hidden=pool[:n])
-        nbytes += n * m.row_width * 2
-dt = time.perf_counter() - t0
+lens, done = lengths(a.tokens, 0), queue.Queue()
+write_part(path, m.to_dict(), 0, list(range(len(lens))), lens, done)  # times add..close itself
 prof.disable()
+nbytes, dt = done.get()
 print(f"{a.root}: {nbytes / dt / 1e9:.3f} GB/s ({nbytes / 1e9:.2f} GB in {dt:.2f} s)", flush=True)
 if a.profile:
     pstats.Stats(prof).sort_stats("cumtime").print_stats(r"writer.py|layout.py|codec.py|zarr/core/array.py", 20)
