@@ -99,7 +99,13 @@ def profile_store(a, model, layer_ids, batches, variant: str, dev: torch.device)
     with profile(activities=acts) as prof:
         run_store(a, model, layer_ids, batches, writer, int(n), dev, sum(len(b) for b in batches) * a.seq)
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
+    events = prof.key_averages()
+    print(events.table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
+    for e in events:  # our named ranges, also when they are not among the top rows
+        if e.key.startswith("draftcache."):
+            dev_ms = getattr(e, "device_time_total", 0.0) / 1e3
+            print(f"range {e.key}: {e.count} calls, device {dev_ms:.3f} ms, cpu {e.cpu_time_total / 1e3:.3f} ms "
+                  f"({dev_ms / max(len(batches), 1):.3f} ms device per batch)", flush=True)
 
 
 def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.device, tokens: int) -> tuple[float, int]:

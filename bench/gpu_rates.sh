@@ -95,7 +95,7 @@ savecache)  # fits the 16 MiB a returned file may have, or says it does not
   ;;
 fp8)  # 1 GPU: extraction into an fp8 store (quantized on the GPU)
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/extract_bench.py $XB --store /dev/shm/xb.zarr --dtype fp8_e4m3 \
-    --variants thread:3 --profile ${FP8PROF:-0} 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote|fp8_quantize|Self CUDA'
+    --variants thread:3 --profile ${FP8PROF:-0} 2>&1 | tee "$OUT/extract_fp8.log" | grep -E '^\{|wrote|^range|Self CUDA'
   ;;
 store)  # the store bench on this host's /dev/shm (CPU only): write GB/s per process, reads, open
   timeout 300 python3 bench/store_bench.py --dir /dev/shm/sb --width 20480 --tokens 300000 --writers 1,4 --readers 1,4 \

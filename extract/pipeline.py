@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache_format import ShardWriter
-from cache_format.codec import fp8_quantize, fp8_sq_sums
+from cache_format.codec import fp8_quantize
 from cache_format.target import capture, decoder_parts
 from extract.data import Rendered
 from extract.ring import HostRing
@@ -157,8 +157,7 @@ def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tenso
     if fp8_layers:
         # a named range, so a profile (bench/extract_bench.py --profile) can price the quantization
         with torch.profiler.record_function("draftcache.fp8_quantize"):
-            bits, scales = fp8_quantize(hid, fp8_layers)  # [B, T, K*H] uint8, [B, T, K] float32
-            err, ref = fp8_sq_sums(hid, bits, scales)  # [B, T] each
+            bits, scales, err, ref = fp8_quantize(hid, fp8_layers)  # [B, T, K*H] u8, [B, T, K] f32, [B, T] f64 x2
             real = att.double()  # [B, T]
             small[:, 1] = (err * real).sum(-1)
             small[:, 2] = (ref * real).sum(-1)
