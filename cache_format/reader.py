@@ -29,7 +29,7 @@ __all__ = ["Sample", "StoreReader"]
 
 @dataclass
 class Sample:
-    """One stored sample. hidden [L, K*H] bf16; last_hidden [L, H] bf16 or None."""
+    """One stored sample. hidden [L, K*H] bf16 (uint8 fp8 bits when read with fp8_bits); last_hidden [L, H] bf16 or None."""
 
     sample_id: int
     input_ids: torch.Tensor  # [L] int64
@@ -37,6 +37,7 @@ class Sample:
     hidden: torch.Tensor
     last_hidden: torch.Tensor | None
     bucket: int
+    hidden_scale: torch.Tensor | None = None  # [L, K] float32: set only when hidden holds fp8 bits
 
 
 class StoreReader:
@@ -128,11 +129,15 @@ class StoreReader:
     def get(self, sample_id: int) -> Sample:
         return self.get_batch([sample_id])[0]
 
-    def get_batch(self, sample_ids: list[int] | np.ndarray) -> list[Sample]:
-        """Read several samples; every array read of the batch is issued concurrently."""
+    def get_batch(self, sample_ids: list[int] | np.ndarray, *, fp8_bits: bool = False) -> list[Sample]:
+        """Read several samples; every array read of the batch is issued concurrently.
+
+        fp8_bits leaves an fp8 store's hidden states quantized (uint8 bits and hidden_scale), for a
+        caller that dequantizes on its GPU: on a CPU, fp8 -> float32 is most of a training worker's time.
+        """
         rows = [self.index.locate(int(s)) for s in sample_ids]
         if self._raw is not None:
-            return [self._read_raw(r) for r in rows]
+            return [self._read_raw(r, fp8_bits) for r in rows]
         jobs = []
         for r in rows:
             key = self.index.groups[self.index.group[r]]
@@ -147,10 +152,10 @@ class StoreReader:
         out, k, buckets = [], len(self._arrays), self.index.bucket()
         for i, r in enumerate(rows):
             got = dict(zip(self._arrays, flat[i * k:(i + 1) * k]))
-            out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r])))
+            out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r]), fp8_bits))
         return out
 
-    def _read_raw(self, r: int) -> Sample:
+    def _read_raw(self, r: int, fp8_bits: bool) -> Sample:
         key = self.index.groups[self.index.group[r]]
         start, n = int(self.index.start[r]), int(self.index.length[r])
         got = {}
@@ -158,11 +163,15 @@ class StoreReader:
             out = np.empty((n, a.width) if a.width else (n,), dtype=a.dtype)
             self._raw.read(key, a, start, start + n, out)
             got[a.name] = out
-        return self._decode(int(self.index.sample_ids[r]), got, int(self.index.bucket()[r]))
+        return self._decode(int(self.index.sample_ids[r]), got, int(self.index.bucket()[r]), fp8_bits)
 
-    def _decode(self, sample_id: int, got: dict[str, np.ndarray], bucket: int) -> Sample:
+    def _decode(self, sample_id: int, got: dict[str, np.ndarray], bucket: int, fp8_bits: bool) -> Sample:
+        scale = None
         if self.manifest.dtype == "bfloat16":
             hidden = bits_to_bf16(got["hidden"])
+        elif fp8_bits:
+            hidden = torch.from_numpy(np.ascontiguousarray(got["hidden"]))
+            scale = torch.from_numpy(np.ascontiguousarray(got["hidden_scale"]))
         else:
             hidden = dequantize_fp8(got["hidden"], got["hidden_scale"])
         last = bits_to_bf16(got["last_hidden"]) if "last_hidden" in got else None
@@ -173,4 +182,5 @@ class StoreReader:
             hidden=hidden,
             last_hidden=last,
             bucket=bucket,
+            hidden_scale=scale,
         )

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from cache_format import StoreReader
+from cache_format.codec import fp8_dequantize
 from train.anchors import IGNORE, build_blocks, sample_anchors
 
 __all__ = ["BatchDataset", "collate", "holdout_mask", "plan_epoch", "plan_holdout", "to_device"]
@@ -105,20 +106,28 @@ class BatchDataset(torch.utils.data.Dataset):
             self._reader = StoreReader(self.store)
         # a fixed mix of (seed, epoch, key): Python's hash() of ints is stable across processes
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.keys[i])
-        return collate(self._reader.get_batch(self.micro[i]), generator=g, **self.kw)
+        # an fp8 store's states stay fp8 until to_device: half the bytes to pin and copy, and the
+        # dequantization runs on the GPU, not in this worker (3/4 of its time on a CPU, docs/BENCHMARKS.md)
+        return collate(self._reader.get_batch(self.micro[i], fp8_bits=True), generator=g, **self.kw)
 
 
 def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors: int, block_size: int,
             mask_token_id: int, generator: torch.Generator, with_teacher: bool) -> dict[str, torch.Tensor]:
-    """Pad a micro-batch: taps [b, T, K'*H], anchors [b, N], block ids/pos/labels [b, N*bs], teacher."""
+    """Pad a micro-batch: taps [b, T, K'*H], anchors [b, N], block ids/pos/labels [b, N*bs], teacher.
+
+    Samples read with fp8 bits give taps as uint8 bits and "taps_scale" [b, T, K'] (float32, padding
+    0); to_device dequantizes them.
+    """
     b, t = len(samples), max(len(s.input_ids) for s in samples)
     hsz = samples[0].hidden.shape[1] // num_stored_taps
+    fp8 = samples[0].hidden_scale is not None
     per = []
     for s in samples:
         a = sample_anchors(s.loss_mask, num_anchors, generator)
         per.append((a, *build_blocks(s.input_ids, s.loss_mask, a, block_size, mask_token_id)))
     n = max(max(len(p[0]) for p in per), 1)
-    taps = torch.zeros(b, t, len(tap_index) * hsz, dtype=torch.bfloat16)
+    taps = torch.zeros(b, t, len(tap_index) * hsz, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    scales = torch.zeros(b, t, len(tap_index)) if fp8 else None
     anchors = torch.full((b, n), -1, dtype=torch.long)
     ids = torch.full((b, n * block_size), mask_token_id, dtype=torch.long)
     pos = torch.zeros(b, n * block_size, dtype=torch.long)
@@ -127,6 +136,8 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
     for j, (s, (a, bi, bp, bl)) in enumerate(zip(samples, per)):
         L, m = len(s.input_ids), len(a) * block_size
         taps[j, :L] = s.hidden.view(L, num_stored_taps, hsz)[:, tap_index].reshape(L, -1)
+        if scales is not None:
+            scales[j, :L] = s.hidden_scale[:, tap_index]
         anchors[j, : len(a)] = a
         ids[j, :m], pos[j, :m], labels[j, :m] = bi, bp, bl
         if teacher is not None and m:
@@ -136,6 +147,8 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
            "block_ids": ids, "block_pos": pos, "labels": labels}
     if teacher is not None:
         out["teacher"] = teacher
+    if scales is not None:
+        out["taps_scale"] = scales
     return out
 
 
@@ -146,13 +159,23 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device,
     The training loop enqueues its steps ahead of the GPU. A copy on the compute stream waits behind
     the step before it (~170 MB of hidden states per 4096 tokens at the 8B shape, milliseconds). On a
     side stream it overlaps that step, and the compute stream waits only for the copy itself.
+    fp8 taps ("taps_scale" present) are dequantized to bf16 there too, after their copy.
     """
     if copy_stream is None:
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        return _dequantized({k: v.to(device, non_blocking=True) for k, v in batch.items()})
     compute = torch.cuda.current_stream(device)
     with torch.cuda.stream(copy_stream):
-        out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        out = _dequantized({k: v.to(device, non_blocking=True) for k, v in batch.items()})
     compute.wait_stream(copy_stream)
     for v in out.values():
         v.record_stream(compute)  # allocated on the copy stream, used on the compute stream: not freed early
     return out
+
+
+def _dequantized(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp8 taps and their scales -> bf16 taps [b, T, K'*H], the values the host reader would give."""
+    if "taps_scale" not in batch:
+        return batch
+    scale = batch.pop("taps_scale")
+    batch["taps"] = fp8_dequantize(batch["taps"], scale).to(torch.bfloat16)
+    return batch

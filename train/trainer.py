@@ -106,7 +106,7 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     cnt = torch.zeros(block_size, device=device)
     tot = torch.zeros(2, device=device)  # weighted loss sum, weight sum
     for i in range(len(ds)):
-        batch = {k: v.to(device) for k, v in ds[i].items()}
+        batch = to_device(ds[i], device)
         out = forward_loss(model, batch, block_size=block_size, gamma=gamma, kl_weight=kl_weight, use_flex=use_flex,
                            loss_chunk=loss_chunk)
         acc += out["correct"]

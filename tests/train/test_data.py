@@ -87,3 +87,30 @@ def test_holdout_by_prompt_takes_whole_prompts_like_the_loop(n):
     assert set(ids[perm][holdout_mask(ids[perm], n, seed=5, prompt_keys=keys[perm])]) == set(ids[m])
     with pytest.raises(ValueError, match="prompt"):
         holdout_mask(ids, n, seed=5, prompt_keys=np.zeros(len(ids), np.int64))  # one prompt: nothing to train on
+
+
+@pytest.mark.parametrize("compression", ["none", "blosc-zstd1"])
+def test_fp8_batches_stay_fp8_until_to_device_and_then_equal_the_host_decode(tmp_path, compression):
+    # the workers hand fp8 bits and scales on; after to_device the taps must be bit for bit what
+    # collating the reader's own dequantized samples gives (same anchors: same generator seed)
+    import torch
+
+    from cache_format import StoreReader
+    from tests.helpers import make_manifest, write_store
+    from train.data import BatchDataset, collate, to_device
+
+    m = make_manifest(dtype="fp8_e4m3", compression=compression)
+    write_store(tmp_path / "s.zarr", range(12), m)
+    micro = [[0, 5, 7], [3], [11, 2]]
+    kw = dict(tap_index=[1], num_stored_taps=2, num_anchors=4, block_size=4, mask_token_id=99, with_teacher=True)
+    ds = BatchDataset(str(tmp_path / "s.zarr"), micro, [0, 1, 2], seed=3, epoch=1, **kw)
+    reader = StoreReader(tmp_path / "s.zarr")
+    for i, ids in enumerate(micro):
+        item = ds[i]
+        assert item["taps"].dtype == torch.uint8 and item["taps_scale"].shape == (*item["taps"].shape[:2], 1)
+        got = to_device(item, torch.device("cpu"))
+        g = torch.Generator().manual_seed((3 * 1_000_003 + 1) * 1_000_003 + i)
+        want = collate(reader.get_batch(ids), generator=g, **kw)
+        assert "taps_scale" not in got and got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k

@@ -80,3 +80,20 @@ def test_side_stream_copies_arrive_before_the_step_reads_them():
             busy = busy @ busy / busy.norm()  # keep the compute stream behind the CPU
         got = to_device(host, dev, side)
         assert bool((got["x"] == i).all()) and torch.equal(got["y"].cpu(), host["y"])
+
+
+def test_fp8_taps_dequantized_on_the_side_stream_equal_the_host_decode(tmp_path):
+    # fp8 bits and scales go to the GPU and are dequantized on the copy stream: bit for bit the
+    # bf16 taps that the CPU path (the reader's own decode) gives
+    from tests.helpers import make_manifest, write_store
+    from train.data import BatchDataset, to_device
+
+    write_store(tmp_path / "s.zarr", range(8), make_manifest(dtype="fp8_e4m3"))
+    ds = BatchDataset(str(tmp_path / "s.zarr"), [[0, 5, 7], [3]], [0, 1], tap_index=[1, 0], num_stored_taps=2,
+                      num_anchors=4, block_size=4, mask_token_id=99, seed=0, epoch=0, with_teacher=False)
+    side = torch.cuda.Stream()
+    for i in range(len(ds)):
+        item = ds[i]
+        got = to_device({k: v.pin_memory() for k, v in item.items()}, torch.device("cuda"), side)
+        want = to_device(item, torch.device("cpu"))
+        assert got["taps"].dtype == torch.bfloat16 and torch.equal(got["taps"].cpu(), want["taps"])
