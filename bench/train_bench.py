@@ -32,7 +32,7 @@ SHAPES = {"qwen3-8b": (4096, 12288, 32, 8, 128, 151936), "qwen3-32b": (5120, 256
           "smollm2-135m": (576, 1536, 9, 3, 64, 49152), "tiny": (128, 256, 4, 2, 32, 1000)}
 
 
-def make_store(path: str, shape: str, samples: int, seq: int) -> Manifest:
+def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bfloat16") -> Manifest:
     h, inter, nh, nkv, hd, v = SHAPES[shape]
     shutil.rmtree(path, ignore_errors=True)
     # the target config lets `python -m train` (bench/ddp_bench.py) build the same drafter from the store
@@ -42,7 +42,7 @@ def make_store(path: str, shape: str, samples: int, seq: int) -> Manifest:
                                    config=tc),
                  tokenizer_sha256="-", layer_ids=(1, 9, 17, 25, 33), last_hidden=False,
                  dataset=DatasetInfo(path="-", sha256="-", num_records=samples), max_len=seq, bucket_bounds=(seq,),
-                 rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
+                 rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32, dtype=dtype)
     create_store(path, m)
     g = torch.Generator().manual_seed(0)
     write_frozen(path, {"embed_tokens.weight": torch.randn(v, h, generator=g).bfloat16() * 0.02,

@@ -1,0 +1,63 @@
+"""Seconds per training micro-batch in one DataLoader worker: read, (dequantize,) collate.
+
+    python bench/worker_bench.py --dtype fp8_e4m3            # 8B shape, 2 x 2048 tokens per micro-batch
+    python bench/worker_bench.py --dtype bfloat16 --profile  # + cProfile's top functions
+
+A worker runs with one torch thread; so does this. With W workers the trainer gets at most W / t
+micro-batches a second: when that is near its step rate, the prefetched batches run out mid-epoch and
+the GPU waits (docs/BENCHMARKS.md, "Profiles of the missed goals"). Needs no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_bench import SHAPES, bench_batches, drafter_config, make_store  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", default="/dev/shm/draftcache_worker_bench.zarr")
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--dtype", default="fp8_e4m3", choices=["bfloat16", "fp8_e4m3"])
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--items", type=int, default=5, help="micro-batches timed (after one untimed)")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    t0 = time.perf_counter()
+    make_store(a.store, a.shape, a.samples, a.seq, dtype=a.dtype)
+    built = time.perf_counter() - t0
+    dc = drafter_config(a.shape, 5)
+    ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=512, count=a.items + 1)
+    ds[0]  # the reader opens, the first shard pages are touched
+    t0 = time.perf_counter()
+    for i in range(1, a.items + 1):
+        ds[i]
+    per = (time.perf_counter() - t0) / a.items
+    print({"shape": a.shape, "dtype": a.dtype, "tokens_per_micro_batch": a.token_budget, "s_per_micro_batch": per,
+           "store_built_s": built}, flush=True)
+    if a.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(1, a.items + 1):
+            ds[i]
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+    shutil.rmtree(a.store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
