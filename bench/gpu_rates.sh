@@ -103,6 +103,7 @@ store)  # the store bench on this host's /dev/shm (CPU only): write GB/s per pro
   ;;
 layout)  # x2: the design card's layout, stage one on GPU 0 while stage two follows on GPU 1
   timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape $SHAPE --samples 1024 --words 1400 --steps 150 --compile \
+    --deadline $(( ${TLAYOUT:-560} - 40 )) \
     2>&1 | tee "$OUT/layout.log" | tail -n 2
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
     echo "== $(basename "$f")"; tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40
