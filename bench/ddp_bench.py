@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -82,14 +83,15 @@ def child_env(**extra: str) -> dict:
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
-def steady_rate(run: Path, skip: int, key: str = "positions_per_s") -> float:
-    """Mean `key` (positions/s) of a run's metrics rows after the first `skip` (compilation, worker start)."""
+def steady_rate(run: Path, skip: int, key: str = "positions_per_s", stat=statistics.fmean) -> float:
+    """`stat` (the mean) of `key` (positions/s) over a run's metrics rows after the first `skip`
+    (compilation, worker start)."""
     path = run / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines() if '"positions_per_s"' in x] if path.exists() else []
     if not rows:
         raise SystemExit(f"{run}: no metrics rows logged (see {run / 'run.log'})")
     steady = rows[skip:] or rows[-1:]
-    return sum(r[key] for r in steady) / len(steady)
+    return stat([r[key] for r in steady])
 
 
 def main() -> None:

@@ -87,13 +87,6 @@ def finish(p: subprocess.Popen, log: Path, deadline: float | None = None) -> boo
     return True
 
 
-def median_rate(run: Path, skip: int) -> float:
-    """Median positions/s of the rows after the first `skip`: one stalled row does not move it."""
-    rows = [json.loads(x)["positions_per_s"] for x in (run / "metrics.jsonl").read_text().splitlines()
-            if '"positions_per_s"' in x][skip:]
-    return statistics.median(rows) if rows else float("nan")
-
-
 def extract_rate(log: Path) -> float:
     text = log.read_text()
     summary = json.loads(text[text.index("{\n"):text.rindex("}") + 1])
@@ -145,7 +138,8 @@ def main() -> None:
     print(json.dumps({"shape": a.shape, "extract_tok_s_alone": ax, "extract_tok_s_with_training": bx,
                       "extract_ratio": bx / ax, "train_pos_s_alone": ct, "train_pos_s_following": bt,
                       "train_ratio": bt / ct, "train_data_wait_alone": cw, "train_data_wait_following": bw,
-                      "train_ratio_median": median_rate(d / "Brun", a.skip_rows) / median_rate(d / "Crun", a.skip_rows),
+                      "train_ratio_median": (steady_rate(d / "Brun", a.skip_rows, stat=statistics.median)
+                                             / steady_rate(d / "Crun", a.skip_rows, stat=statistics.median)),
                       "train_b_stopped_at_deadline": not whole, "wall_s": time.time() - t0}))
 
 
