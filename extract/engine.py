@@ -1,0 +1,245 @@
+"""The static engine: many generation requests through one fixed-shape decode batch.
+
+HF `generate` pads a batch to its longest prompt, runs until its longest answer ends, and spends
+each decode step of a small model launching kernels from Python (docs/REGENERATION.md). This
+engine keeps `batch` rows busy instead:
+
+- a static KV cache [batch, capacity, kv heads, head dim] per layer; row b holds one request and
+  its own position, so rows of different lengths decode side by side;
+- the decode step (embed, every layer, lm_head, next-token choice, bookkeeping) has fixed shapes
+  and no host synchronisation, so on a GPU it is captured once in a CUDA graph and replayed;
+- every `sync_every` steps the host reads which rows finished, hands their tokens out and refills
+  those rows from the queue with one batched prefill (prompts right-padded, causal attention).
+
+It runs the HF model's own modules (norms, projections, MLP, rotary tables), so the numerics are
+the model's; only the attention over the cache is ours. Supported: decoder-only models built
+like Llama (llama, mistral, qwen2, qwen3); `supports()` says whether a model qualifies.
+Requests are served shortest prompt first; the cache capacity grows (the cache is rebuilt and the
+graph recaptured) when the next prompt would not fit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from extract.sampling import choose_next
+
+__all__ = ["Request", "StaticEngine", "supports"]
+
+_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def supports(model: torch.nn.Module) -> str:
+    """'' if the static engine can run `model`, else why not (one line)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", "") not in _ARCHS:
+        return f"model type {getattr(cfg, 'model_type', '?')!r} is not one of {', '.join(_ARCHS)}"
+    rope = getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) == "dynamic":
+        return "dynamic RoPE scaling changes the rotary table with the length"
+    return ""
+
+
+@dataclass(frozen=True)
+class Request:
+    job: object
+    """The caller's handle, returned with the tokens."""
+    prompt: Sequence[int]
+    key: int
+    """32-bit sampling-noise key (extract.sampling.request_key)."""
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class StaticEngine:
+    """Greedy or sampled generation of many requests; see the module doc."""
+
+    def __init__(self, model: torch.nn.Module, *, batch: int, max_new_tokens: int, eos: Sequence[int],
+                 temperature: float = 0.0, top_k: int = 50, top_p: float = 0.95, sync_every: int = 8,
+                 prefill_tokens: int = 16384, cuda_graph: bool | None = None):
+        if batch < 1 or max_new_tokens < 1 or sync_every < 1:
+            raise ValueError("batch, max_new_tokens and sync_every must be >= 1")
+        self.model, self.batch, self.max_new = model, batch, max_new_tokens
+        self.sample = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+        self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
+        self.rotary, self.head = base.rotary_emb, model.get_output_embeddings()
+        attn = self.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.kv_heads = model.config.num_key_value_heads
+        self.groups = model.config.num_attention_heads // self.kv_heads
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.graphed = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
+        self.eos = torch.tensor(sorted(set(eos)) or [-1], device=self.device)
+        self.capacity = 0
+
+    # ------------------------------------------------------------------ state
+    def _allocate(self, capacity: int) -> None:
+        """Cache and per-row state for `capacity` positions a row; drops any captured graph."""
+        B, dev = self.batch, self.device
+        self.capacity, self.graph = capacity, None
+        # [B, Hkv, S, D]: contiguous along S, so attention reads each row's keys in one sweep
+        self.caches = [(torch.zeros(B, self.kv_heads, capacity, self.head_dim, device=dev, dtype=self.dtype),
+                        torch.zeros(B, self.kv_heads, capacity, self.head_dim, device=dev, dtype=self.dtype))
+                       for _ in self.layers]
+        pos = torch.arange(capacity, device=dev)[None]
+        cos, sin = self.rotary(torch.zeros(1, device=dev, dtype=self.dtype), position_ids=pos)
+        self.cos, self.sin = cos[0], sin[0]  # [capacity, head_dim]: the model's own tables, by position
+        z = lambda dtype=torch.int64: torch.zeros(B, device=dev, dtype=dtype)
+        self.tok, self.pos, self.ngen, self.keys = z(), z(), z(), z()
+        self.live = z(torch.bool)  # a request is in the row and has not finished
+        self.out = torch.zeros(B, self.max_new + 1, device=dev, dtype=torch.int64)  # last column: scratch
+        self.rows = torch.arange(B, device=dev)
+        self.slots = torch.arange(capacity, device=dev)
+
+    # ------------------------------------------------------------------ model
+    def _attend(self, layer, x: torch.Tensor, attend_fn: Callable) -> torch.Tensor:
+        """x [N, T, H] -> attention output [N, T, H]; attend_fn(q, k, v) does cache and attention."""
+        a = layer.self_attn
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q, k, v = a.q_proj(x).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)  # [N, T, heads, D]
+        if hasattr(a, "q_norm"):  # qwen3: RMSNorm over each head
+            q, k = a.q_norm(q), a.k_norm(k)
+        o = attend_fn(q, k, v)  # [N, T, heads, D]
+        return a.o_proj(o.reshape(*x.shape[:-1], -1))
+
+    def _layers(self, h: torch.Tensor, attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+        for i, layer in enumerate(self.layers):
+            h = h + self._attend(layer, layer.input_layernorm(h), lambda q, k, v, i=i: attend(i, q, k, v))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin
+
+    def _decode_step(self) -> None:
+        """One token for every row, in place on the state tensors (graph-safe: no host sync)."""
+        B = self.batch
+        cos, sin = self.cos[self.pos][:, None, None], self.sin[self.pos][:, None, None]  # [B, 1, 1, D]
+        heads = torch.arange(self.kv_heads, device=self.device)
+        # [B * Hkv]: the cache slot (row b, kv head h, position pos[b]) in the flattened cache
+        flat = ((self.rows[:, None] * self.kv_heads + heads[None]) * self.capacity + self.pos[:, None]).reshape(-1)
+        hidden = (self.slots[None, :] > self.pos[:, None])[:, None, None, :]  # [B, 1, 1, S]: not yet written
+
+        def attend(i, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            kc, vc = self.caches[i]  # [B, Hkv, S, D]
+            kc.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
+            vc.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
+            # the query heads of one kv head share its keys: [B, Hkv, G, D] against [B, Hkv, S, D].
+            # Plain matmuls (as HF's eager attention: scores in the model dtype, softmax in float32):
+            # each reads the cache once, whatever the attention backends accept.
+            qg = q[:, 0].reshape(B, self.kv_heads, self.groups, self.head_dim)
+            scores = torch.matmul(qg, kc.transpose(-1, -2)) * self.scaling  # [B, Hkv, G, S]
+            probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), dim=-1).to(qg.dtype)
+            return torch.matmul(probs, vc).reshape(B, 1, -1, self.head_dim)  # [B, 1, Hq, D]
+
+        h = self._layers(self.embed(self.tok)[:, None], attend)  # [B, 1, H]
+        nxt = choose_next(self.head(h[:, 0]), self.keys, self.ngen, **self.sample)  # [B]
+        live = self.live
+        self.out[self.rows, torch.where(live, self.ngen, self.max_new)] = nxt
+        stop = (nxt[:, None] == self.eos[None]).any(-1) | (self.ngen + 1 >= self.max_new)
+        step = live.long()
+        self.tok.copy_(torch.where(live, nxt, self.tok))
+        self.pos.add_(step)
+        self.ngen.add_(step)
+        self.live.copy_(live & ~stop)
+
+    def _prefill(self, rows: list[int], reqs: list[Request]) -> None:
+        """Prompts of `reqs` into cache rows `rows`; their first new token chosen; the rows made live."""
+        dev, T = self.device, max(len(r.prompt) for r in reqs)
+        ids = torch.zeros(len(reqs), T, device=dev, dtype=torch.int64)
+        for j, r in enumerate(reqs):
+            ids[j, : len(r.prompt)] = torch.as_tensor(list(r.prompt), device=dev)
+        lens = torch.tensor([len(r.prompt) for r in reqs], device=dev)
+        rows_t = torch.tensor(rows, device=dev)
+        cos, sin = self.cos[:T][None, :, None], self.sin[:T][None, :, None]  # [1, T, 1, D]
+
+        def attend(i, q, k, v):  # [n, T, heads, D], right-padded: pads sit after every real token
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            kc, vc = self.caches[i]
+            kc[rows_t, :, :T], vc[rows_t, :, :T] = k.transpose(1, 2), v.transpose(1, 2)
+            kk = k.repeat_interleave(self.groups, dim=2).transpose(1, 2)
+            vv = v.repeat_interleave(self.groups, dim=2).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=True, scale=self.scaling)
+            return o.transpose(1, 2)
+
+        h = self._layers(self.embed(ids), attend)  # [n, T, H]
+        last = h[torch.arange(len(reqs), device=dev), lens - 1]  # [n, H]
+        keys = torch.tensor([r.key for r in reqs], device=dev)
+        first = choose_next(self.head(last), keys, torch.zeros_like(keys), **self.sample)  # [n]
+        self.out[rows_t, 0] = first
+        self.tok[rows_t], self.pos[rows_t], self.keys[rows_t] = first, lens, keys
+        self.ngen[rows_t] = 1
+        stop = (first[:, None] == self.eos[None]).any(-1) | torch.tensor(self.max_new <= 1, device=dev)
+        self.live[rows_t] = ~stop
+
+    def _step(self) -> None:
+        if not self.graphed:
+            self._decode_step()
+            return
+        if self.graph is None:  # capture after warm-up on a side stream (CUDA graph rules)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                saved = [t.clone() for t in (self.tok, self.pos, self.ngen, self.live, self.out)]
+                for _ in range(2):
+                    self._decode_step()
+                for t, v in zip((self.tok, self.pos, self.ngen, self.live, self.out), saved):
+                    t.copy_(v)  # the warm-up steps must not count: put the rows back
+            torch.cuda.current_stream().wait_stream(s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._decode_step()
+            return  # capturing does not run the step: fall through to a replay below
+        self.graph.replay()
+
+    # ------------------------------------------------------------------ driver
+    def generate(self, requests: Sequence[Request]) -> Iterator[tuple[object, list[int]]]:
+        """Yield (job, new token ids) per request as each finishes (eos kept, if it ended on one).
+
+        Requests are served shortest prompt first; a request whose prompt + max_new_tokens exceeds
+        the cache capacity waits until the batch drains, then the capacity grows.
+        """
+        queue = deque(sorted(requests, key=lambda r: len(r.prompt)))
+        owner: dict[int, Request] = {}
+        with torch.no_grad():
+            while queue or owner:
+                if queue and not owner and len(queue[0].prompt) + self.max_new > self.capacity:
+                    need = max(len(r.prompt) for r in queue) + self.max_new
+                    # grow to the next power of two >= what the next prompt needs (few recaptures)
+                    cap = 1 << max(8, (len(queue[0].prompt) + self.max_new - 1).bit_length())
+                    self._allocate(min(cap, need))
+                free = [b for b in range(self.batch) if b not in owner]
+                take: list[Request] = []
+                while queue and len(take) < len(free) and len(queue[0].prompt) + self.max_new <= self.capacity:
+                    take.append(queue.popleft())
+                start = 0
+                while start < len(take):  # prefill groups within the token budget (sorted: little padding)
+                    n = 1
+                    while start + n < len(take) and (n + 1) * len(take[start + n].prompt) <= self.prefill_tokens:
+                        n += 1
+                    group, rows = take[start: start + n], free[start: start + n]
+                    self._prefill(rows, group)
+                    owner.update(zip(rows, group))
+                    start += n
+                if self.graphed and self.graph is None:
+                    self._step()  # capture
+                for _ in range(self.sync_every):
+                    self._step()
+                state = torch.stack([self.live.long(), self.ngen]).cpu()  # the only sync per window
+                ended = [b for b in owner if not state[0, b]]
+                if ended:
+                    outs = self.out[torch.tensor(ended, device=self.device)].cpu()
+                    for b, row in zip(ended, outs):
+                        yield owner.pop(b).job, row[: int(state[1, b])].tolist()

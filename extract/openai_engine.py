@@ -1,0 +1,102 @@
+"""Requests to OpenAI-compatible servers (vLLM, SGLang, llama.cpp, `transformers serve`).
+
+This is how users regenerate for 8B–235B targets: the servers run the target, we send
+`POST {base_url}/chat/completions` (or `/completions` for raw text, as --invent needs) with
+bounded concurrency, spread round-robin over several servers. A failed request (connection
+refused or reset, timeout, HTTP 408/429/5xx, a reply without text) is retried on the next server
+after an exponential backoff; a request still failing after the retries, or refused with another
+4xx, is returned as an error for the caller to record. HTTP threads wait on sockets only: no GPU
+work happens in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+__all__ = ["Reply", "ServerRequest", "serve"]
+
+_RETRYABLE_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+@dataclass(frozen=True)
+class ServerRequest:
+    job: object
+    endpoint: str
+    """'chat/completions' (body has messages) or 'completions' (body has prompt)."""
+    body: dict
+
+
+@dataclass(frozen=True)
+class Reply:
+    job: object
+    text: str | None
+    """None when the request failed; `error` says why."""
+    completion_tokens: int = 0
+    finish_reason: str = ""
+    error: str = ""
+    attempts: int = 1
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    data = json.dumps(body).encode("utf-8")
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read().decode("utf-8"))
+
+
+def _text(endpoint: str, resp: dict) -> tuple[str, int, str]:
+    choice = resp["choices"][0]
+    text = choice["message"]["content"] if endpoint == "chat/completions" else choice["text"]
+    if not isinstance(text, str):
+        raise ValueError("reply has no text")
+    usage = resp.get("usage") or {}
+    return text, int(usage.get("completion_tokens") or 0), str(choice.get("finish_reason") or "")
+
+
+def _one(req: ServerRequest, index: int, urls: tuple[str, ...], *, timeout: float, retries: int,
+         backoff: float) -> Reply:
+    last = ""
+    for attempt in range(retries + 1):
+        url = f"{urls[(index + attempt) % len(urls)].rstrip('/')}/{req.endpoint}"
+        try:
+            text, n, finish = _text(req.endpoint, _post(url, req.body, timeout))
+            return Reply(req.job, text, n, finish, attempts=attempt + 1)
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:200].decode("utf-8", "replace") if e.fp else ""
+            last = f"{url}: HTTP {e.code} {detail}".strip()
+            if e.code not in _RETRYABLE_HTTP:
+                return Reply(req.job, None, error=last, attempts=attempt + 1)
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # refused, reset, timeout, bad reply
+            last = f"{url}: {type(e).__name__}: {e}"
+        if attempt < retries:
+            time.sleep(min(backoff * 2**attempt, 30.0))
+    return Reply(req.job, None, error=last, attempts=retries + 1)
+
+
+def serve(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], concurrency: int, timeout: float,
+          retries: int, backoff: float = 1.0) -> Iterator[Reply]:
+    """Replies in completion order; at most `concurrency` requests in flight."""
+    it = iter(enumerate(requests))
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        def submit() -> bool:
+            nxt = next(it, None)
+            if nxt is None:
+                return False
+            pending.add(pool.submit(_one, nxt[1], nxt[0], base_urls, timeout=timeout, retries=retries,
+                                    backoff=backoff))
+            return True
+
+        pending: set = set()
+        while len(pending) < concurrency and submit():
+            pass
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                yield f.result()
+                submit()

@@ -1,0 +1,164 @@
+"""The default dataset: math, code and everyday chat, written by the target.
+
+    python -m extract.regenerate --recipe default --out DIR --recipe-samples 100000
+    # one process per GPU (each waits for the others at two barriers, through files in DIR):
+    for g in 0 1; do CUDA_VISIBLE_DEVICES=$g python -m extract.regenerate --recipe default \\
+        --out DIR --shard $g/2 & done; wait
+
+Stages (each resumable; a stage's marker file is written when it is complete):
+1. invent: user prompts made up by the target (Magpie) for invented math word problems, Python
+   tasks and everyday chat, several steering openings per domain (`OPENINGS`), sampled at T 1.0;
+2. select: near-duplicate prompts are dropped (extract.dedup), also those echoing a held-out
+   prompt (GSM8K[:100], HumanEval, the chat set); every shard computes the same selection;
+3. answer: every kept prompt answered greedily (the drafter is judged on greedy decoding), and the
+   packaged math prompts (GSM8K minus held-out, GPQA, AIME) also `MATH_SAMPLED` times at T 0.7;
+4. merge (shard 0): DIR/train.jsonl (all domains) and DIR/recipe.json (counts per domain, config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+from extract.regen_config import RegenConfig
+
+__all__ = ["OPENINGS", "SHARES", "build_recipe"]
+
+# Steering openings (the start of each invented user message) per domain.
+OPENINGS: dict[str, tuple[str, ...]] = {
+    "math": ("Solve this math word problem step by step:", "A store sells", "Calculate", "If a train travels",
+             "What is the probability that", "Find the value of x if"),
+    "code": ("Write a Python function", "Write a Python program that", "Implement a Python class",
+             "How do I use Python to", "Explain what this Python code does:", "Fix the bug in this Python function:"),
+    "chat": ("Can you explain", "What are some tips for", "Write a short story about", "How do I",
+             "What is the difference between", "Help me write an email", "Give me advice on", "Why do",
+             "Write a poem about", "What should I know about", "Describe", "I'm planning"),
+}
+SHARES = {"math": 0.35, "code": 0.30, "chat": 0.35}  # of all samples
+MATH_SAMPLED = 3  # extra sampled answers per packaged math prompt
+OVERDRAW = 1.4  # invented prompts per kept prompt (duplicates are dropped)
+
+
+def _wait_for(paths: list[Path], poll: float = 2.0) -> None:
+    while not all(p.exists() for p in paths):
+        time.sleep(poll)
+
+
+def _read_users(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["messages"][0]["content"] for line in f if line.strip()]
+
+
+def _marker(path: Path, info: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.replace(path)
+
+
+def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
+    """Build the recipe `name` ('default') into out_dir; kw are RegenConfig fields (shard, target,
+    batch_size, max_new_tokens, seed, engine, ...). Returns the recipe summary (shard 0) or {}."""
+    if name != "default":
+        raise ValueError(f"--recipe {name!r}: the only recipe is 'default'")
+    import torch
+
+    from cache_format.prompts import heldout_prompts, train_prompts
+    from cache_format.target import load_target
+    from extract.dedup import near_duplicates
+    from extract.regenerate import regenerate
+
+    d = Path(out_dir)
+    (d / "parts").mkdir(parents=True, exist_ok=True)
+    i, n = kw.get("shard", (0, 1))
+    base = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(RegenConfig)}}
+    for k in ("prompts", "num_samples", "temperature", "invent", "invent_prefix", "limit", "out"):
+        base.pop(k, None)  # the recipe sets these per stage
+    seed = base.pop("seed", 0)
+    max_new = base.pop("max_new_tokens", 256)
+    packaged = train_prompts()
+    engine = base.get("engine", "auto")
+    loaded = None if engine == "openai" else load_target(base.get("target", ""), device=torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu"))
+    targets = {dom: int(samples * share) for dom, share in SHARES.items()}
+    targets["math"] = max(0, targets["math"] - len(packaged) * (1 + MATH_SAMPLED))
+
+    # 1. invent: each opening gets an equal share of its domain's prompts
+    for dom, openings in OPENINGS.items():
+        per = math.ceil(targets[dom] * OVERDRAW / len(openings))
+        for j, opening in enumerate(openings):
+            if per:
+                regenerate(RegenConfig(out=str(d / "parts" / f"invent_{dom}{j}.{i}.jsonl"), invent=per,
+                                       invent_prefix=opening, temperature=1.0, max_new_tokens=128,
+                                       seed=seed * 1000 + j, **base), loaded=loaded)
+    _marker(d / "parts" / f"invent.{i}.done", {"shard": [i, n]})
+    _wait_for([d / "parts" / f"invent.{s}.done" for s in range(n)])
+
+    # 2. select (the same on every shard: a pure function of the files)
+    held = [m[-1]["content"] for _, m in heldout_prompts()]
+    kept: dict[str, list[str]] = {}
+    seen: list[str] = [m[0]["content"] for m in packaged]
+    drops = {}
+    for dom, openings in OPENINGS.items():
+        cands = [p for j in range(len(openings)) for s in range(n)
+                 for p in _read_users(d / "parts" / f"invent_{dom}{j}.{s}.jsonl")]
+        drop = set(near_duplicates(cands, reference=held + seen))
+        kept[dom] = [p for k, p in enumerate(cands) if k not in drop][: targets[dom]]
+        drops[dom] = {"invented": len(cands), "near_duplicates": len(drop), "kept": len(kept[dom])}
+        seen += kept[dom]
+        path = d / f"{dom}_prompts.jsonl"
+        if i == 0 or not path.exists():
+            tmp = path.with_suffix(f".{i}.tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for p in kept[dom]:
+                    f.write(json.dumps({"messages": [{"role": "user", "content": p}]}, ensure_ascii=False) + "\n")
+            tmp.replace(path)
+
+    # 3. answer: this shard's share of every prompt file
+    packaged_path = d / "packaged_math_prompts.jsonl"
+    with open(packaged_path.with_suffix(f".{i}.tmp"), "w", encoding="utf-8") as f:
+        for m in packaged:
+            f.write(json.dumps({"messages": m}, ensure_ascii=False) + "\n")
+    packaged_path.with_suffix(f".{i}.tmp").replace(packaged_path)
+    jobs = [("math_packaged_greedy", packaged_path, 1, 0.0), ("math_packaged_sampled", packaged_path, MATH_SAMPLED, 0.7)]
+    jobs += [(f"{dom}_invented", d / f"{dom}_prompts.jsonl", 1, 0.0) for dom in OPENINGS]
+    for tag, prompts, k, temp in jobs:
+        regenerate(RegenConfig(out=str(d / "parts" / f"{tag}.{i}.jsonl"), prompts=str(prompts), num_samples=k,
+                               temperature=temp, max_new_tokens=max_new, seed=seed + 1, **base), loaded=loaded)
+    _marker(d / "parts" / f"answer.{i}.done", {"shard": [i, n]})
+    if i != 0:
+        return {}
+
+    # 4. merge
+    _wait_for([d / "parts" / f"answer.{s}.done" for s in range(n)])
+    counts: dict[str, int] = {}
+    tokens_chars: dict[str, int] = {}
+    tmp = d / "train.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for tag, *_ in jobs:
+            dom = tag.split("_")[0]
+            for s in range(n):
+                p = d / "parts" / f"{tag}.{s}.jsonl"
+                with open(p, encoding="utf-8") as src:
+                    for line in src:
+                        r = json.loads(line)
+                        if not r["messages"][-1]["content"].strip():
+                            continue  # an empty answer teaches nothing
+                        r["domain"] = dom
+                        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+                        counts[dom] = counts.get(dom, 0) + 1
+                        tokens_chars[dom] = tokens_chars.get(dom, 0) + len(r["messages"][-1]["content"])
+    tmp.replace(d / "train.jsonl")
+    summary = {"recipe": name, "samples_requested": samples, "samples_by_domain": counts,
+               "samples": sum(counts.values()), "answer_chars_by_domain": tokens_chars, "selection": drops,
+               "openings": OPENINGS, "shares": SHARES, "math_sampled_per_packaged_prompt": MATH_SAMPLED,
+               "config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in base.items()}, "seed": seed,
+                          "max_new_tokens": max_new}}
+    (d / "recipe.json").write_text(json.dumps(summary, indent=1))
+    print(f"recipe {name}: {summary['samples']} samples " + ", ".join(f"{k} {v}" for k, v in counts.items())
+          + "; near-duplicates dropped: " + ", ".join(f"{k} {v['near_duplicates']}" for k, v in drops.items()))
+    return summary

@@ -1,0 +1,89 @@
+"""RegenConfig: every knob of `python -m extract.regenerate`; the CLI maps onto it 1:1."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ENGINES", "RegenConfig"]
+
+ENGINES = ("auto", "static", "hf", "openai")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegenConfig:
+    out: str
+    """Output JSONL, appended to: lines already there are kept and their (prompt, sample) pairs skipped."""
+    target: str = ""
+    """HF directory or .gguf (default: the packaged SmolLM2 GGUF). With --engine openai only its
+    tokenizer is read, and only for --invent."""
+    prompts: str = "default"
+    """'default' (the packaged training prompts) or a JSONL of conversations (assistant turns dropped)."""
+    limit: int = 0
+    """Use only the first N prompts (0 = all)."""
+    num_samples: int = 1
+    """Responses per prompt."""
+    temperature: float = 0.0
+    """0 = greedy; otherwise sampled with top-k and top-p."""
+    top_p: float = 0.95
+    """Nucleus mass kept when sampling."""
+    top_k: int = 50
+    """Candidates kept before top-p when sampling (HF generate's default); 0 = all."""
+    max_new_tokens: int = 256
+    """New tokens at most per response."""
+    batch_size: int = 0
+    """Rows decoded together (static: cache rows; hf: padded batch); 0 = 1024 on a GPU, 16 on a CPU."""
+    seed: int = 0
+    """Sampling seed: request (prompt i, sample k) draws from (seed, i, k) alone."""
+    shard: tuple[int, int] = (0, 1)
+    """(i, n): this process serves requests j with j % n == i (one process per GPU or server group)."""
+    invent: int = 0
+    """Write N user prompts made up by the target (Magpie) instead of answering prompts."""
+    invent_prefix: str = ""
+    """Words every invented prompt starts with (steers the domain)."""
+    engine: str = "auto"
+    """static (CUDA-graphed decode, rows refilled), hf (HF generate), openai (HTTP servers), or
+    auto: static where the model qualifies, else hf."""
+    base_url: tuple[str, ...] = ()
+    """OpenAI-compatible server URLs (…/v1), requests spread over them (--engine openai)."""
+    model: str = ""
+    """Model name sent to the servers (--engine openai)."""
+    concurrency: int = 8
+    """Requests in flight at once over all servers (--engine openai)."""
+    request_timeout: float = 300.0
+    """Seconds before one HTTP request is abandoned and retried (--engine openai)."""
+    retries: int = 4
+    """Attempts after the first for a failed request, with exponential backoff (--engine openai)."""
+    sync_every: int = 8
+    """Static engine: decode steps between checks for finished rows."""
+
+    def __post_init__(self) -> None:
+        if not self.out:
+            raise ValueError("--out is required")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if not 0 <= self.shard[0] < self.shard[1]:
+            raise ValueError(f"shard {self.shard[0]}/{self.shard[1]}: need 0 <= index < count")
+        if self.num_samples < 1 or self.max_new_tokens < 1 or self.sync_every < 1:
+            raise ValueError("--num-samples, --max-new-tokens and --sync-every must be >= 1")
+        if self.limit < 0 or self.batch_size < 0 or self.invent < 0 or self.top_k < 0:
+            raise ValueError("--limit, --batch-size, --invent and --top-k must be >= 0")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {self.temperature}, {self.top_p}")
+        if self.invent and self.prompts != "default":
+            raise ValueError("--invent writes prompts and reads none: answer them in a second run with --prompts")
+        if self.invent and self.temperature <= 0:
+            raise ValueError("--invent needs --temperature > 0 (greedy decoding would invent one message)")
+        if self.engine == "openai":
+            if not self.base_url or not self.model:
+                raise ValueError("--engine openai needs --base-url URL[,URL...] and --model NAME")
+            if self.concurrency < 1 or self.request_timeout <= 0 or self.retries < 0:
+                raise ValueError("--concurrency >= 1, --request-timeout > 0 and --retries >= 0 are needed")
+        elif self.base_url:
+            raise ValueError("--base-url is for --engine openai")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shard"], d["base_url"] = list(self.shard), list(self.base_url)
+        return d
