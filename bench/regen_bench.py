@@ -65,6 +65,7 @@ def run_static(model, prompts, *, max_new: int, batch: int, temperature: float, 
     outs: list[list[int]] = [[] for _ in prompts]
     for i, toks in eng.generate([Request(i, p, request_key(0, i, 0)) for i, p in enumerate(prompts)]):
         outs[i] = toks
+    print(f"static engine: {eng.stats}", flush=True)
     return outs
 
 

@@ -24,7 +24,7 @@ import torch
 
 from cache_format.schema import TargetInfo
 
-__all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "tokenizer_sha256"]
+__all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "save_hf_dir", "tokenizer_sha256"]
 
 
 def packaged_gguf() -> str:
@@ -129,3 +129,19 @@ def frozen_parts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if head.data_ptr() != emb.data_ptr():  # tied weights are stored once; the reader re-ties them
         out["lm_head.weight"] = head.detach()
     return out
+
+
+def save_hf_dir(spec: str, out: str | Path) -> str:
+    """Write the target as a plain HF directory (float32 safetensors, config with `architectures`,
+    tokenizer): the form servers load that cannot take a GGUF's own config (`transformers serve`
+    needs `architectures`, and transformers will not re-save a GGUF-quantized model as it is)."""
+    t = load_target(spec, device=torch.device("cpu"), dtype=torch.float32)
+    d = t.model.config.to_dict()
+    d.pop("quantization_config", None)
+    cfg = type(t.model.config)(**d)
+    cfg.architectures = [type(t.model).__name__]
+    model = type(t.model)(cfg)
+    model.load_state_dict(t.model.state_dict())
+    model.save_pretrained(str(out))
+    t.tokenizer.save_pretrained(str(out))
+    return str(out)

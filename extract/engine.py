@@ -81,13 +81,16 @@ class StaticEngine:
         self.device, self.dtype = p.device, p.dtype
         self.graphed = (self.device.type == "cuda") if cuda_graph is None else cuda_graph
         self.eos = torch.tensor(sorted(set(eos)) or [-1], device=self.device)
-        self.capacity = 0
+        self.capacity, self.rows_n = 0, 0
+        self.stats = {"allocations": 0, "compactions": 0, "prefills": 0, "steps": 0}
+        """What the driver did (the bench reports it; tests check that each path ran)."""
 
     # ------------------------------------------------------------------ state
-    def _allocate(self, capacity: int) -> None:
-        """Cache and per-row state for `capacity` positions a row; drops any captured graph."""
-        B, dev = self.batch, self.device
-        self.capacity, self.graph = capacity, None
+    def _allocate(self, capacity: int, rows: int) -> None:
+        """Cache and per-row state for `rows` rows of `capacity` positions; drops any captured graph."""
+        B, dev = rows, self.device
+        self.rows_n, self.capacity, self.graph = rows, capacity, None
+        self.stats["allocations"] += 1
         # [B, Hkv, S, D]: contiguous along S, so attention reads each row's keys in one sweep
         self.caches = [(torch.zeros(B, self.kv_heads, capacity, self.head_dim, device=dev, dtype=self.dtype),
                         torch.zeros(B, self.kv_heads, capacity, self.head_dim, device=dev, dtype=self.dtype))
@@ -124,7 +127,7 @@ class StaticEngine:
 
     def _decode_step(self) -> None:
         """One token for every row, in place on the state tensors (graph-safe: no host sync)."""
-        B = self.batch
+        B = self.rows_n
         cos, sin = self.cos[self.pos][:, None, None], self.sin[self.pos][:, None, None]  # [B, 1, 1, D]
         heads = torch.arange(self.kv_heads, device=self.device)
         # [B * Hkv]: the cache slot (row b, kv head h, position pos[b]) in the flattened cache
@@ -204,23 +207,36 @@ class StaticEngine:
             return  # capturing does not run the step: fall through to a replay below
         self.graph.replay()
 
+    def _compact(self, keep: list[int]) -> None:
+        """Shrink the batch to rows `keep` (in that order), their caches and state copied over:
+        a draining batch should not pay for its finished rows. Drops the captured graph."""
+        idx = torch.tensor(keep, device=self.device)
+        self.caches = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.caches]
+        for name in ("tok", "pos", "ngen", "keys", "live", "out"):
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+        self.rows_n, self.graph = len(keep), None
+        self.stats["compactions"] += 1
+        self.rows = torch.arange(len(keep), device=self.device)
+
     # ------------------------------------------------------------------ driver
     def generate(self, requests: Sequence[Request]) -> Iterator[tuple[object, list[int]]]:
         """Yield (job, new token ids) per request as each finishes (eos kept, if it ended on one).
 
-        Requests are served shortest prompt first; a request whose prompt + max_new_tokens exceeds
-        the cache capacity waits until the batch drains, then the capacity grows.
+        Requests are served shortest prompt first. The cache is sized for the next `batch`
+        requests (rows: at most as many as are left; positions: the longest of them + max_new_tokens,
+        rounded up to a power of two); a request that does not fit waits until the batch drains,
+        then the cache is rebuilt for the requests left. Once the queue is empty and at most a
+        quarter of the rows are live, the live rows are compacted into a smaller batch.
         """
         queue = deque(sorted(requests, key=lambda r: len(r.prompt)))
         owner: dict[int, Request] = {}
         with torch.no_grad():
             while queue or owner:
                 if queue and not owner and len(queue[0].prompt) + self.max_new > self.capacity:
-                    need = max(len(r.prompt) for r in queue) + self.max_new
-                    # grow to the next power of two >= what the next prompt needs (few recaptures)
-                    cap = 1 << max(8, (len(queue[0].prompt) + self.max_new - 1).bit_length())
-                    self._allocate(min(cap, need))
-                free = [b for b in range(self.batch) if b not in owner]
+                    rows = min(self.batch, len(queue))
+                    need = len(queue[rows - 1].prompt) + self.max_new
+                    self._allocate(1 << max(6, (need - 1).bit_length()), rows)
+                free = [b for b in range(self.rows_n) if b not in owner]
                 take: list[Request] = []
                 while queue and len(take) < len(free) and len(queue[0].prompt) + self.max_new <= self.capacity:
                     take.append(queue.popleft())
@@ -229,17 +245,23 @@ class StaticEngine:
                     n = 1
                     while start + n < len(take) and (n + 1) * len(take[start + n].prompt) <= self.prefill_tokens:
                         n += 1
-                    group, rows = take[start: start + n], free[start: start + n]
-                    self._prefill(rows, group)
-                    owner.update(zip(rows, group))
+                    group, rows_g = take[start: start + n], free[start: start + n]
+                    self._prefill(rows_g, group)
+                    self.stats["prefills"] += 1
+                    owner.update(zip(rows_g, group))
                     start += n
                 if self.graphed and self.graph is None:
                     self._step()  # capture
                 for _ in range(self.sync_every):
                     self._step()
+                self.stats["steps"] += self.sync_every
                 state = torch.stack([self.live.long(), self.ngen]).cpu()  # the only sync per window
                 ended = [b for b in owner if not state[0, b]]
                 if ended:
                     outs = self.out[torch.tensor(ended, device=self.device)].cpu()
                     for b, row in zip(ended, outs):
                         yield owner.pop(b).job, row[: int(state[1, b])].tolist()
+                if not queue and owner and self.rows_n > 8 and len(owner) <= self.rows_n // 4:
+                    keep = sorted(owner)
+                    self._compact(keep)
+                    owner = {new: owner[old] for new, old in enumerate(keep)}

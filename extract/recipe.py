@@ -76,11 +76,12 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
     (d / "parts").mkdir(parents=True, exist_ok=True)
     i, n = kw.get("shard", (0, 1))
     base = {k: v for k, v in kw.items() if k in {f.name for f in dataclasses.fields(RegenConfig)}}
+    limit = kw.get("limit", 0)  # a quick trial: only the first N packaged math prompts
     for k in ("prompts", "num_samples", "temperature", "invent", "invent_prefix", "limit", "out"):
         base.pop(k, None)  # the recipe sets these per stage
     seed = base.pop("seed", 0)
     max_new = base.pop("max_new_tokens", 256)
-    packaged = train_prompts()
+    packaged = train_prompts()[: limit or None]
     engine = base.get("engine", "auto")
     loaded = None if engine == "openai" else load_target(base.get("target", ""), device=torch.device(
         "cuda" if torch.cuda.is_available() else "cpu"))
@@ -155,7 +156,8 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
     tmp.replace(d / "train.jsonl")
     summary = {"recipe": name, "samples_requested": samples, "samples_by_domain": counts,
                "samples": sum(counts.values()), "answer_chars_by_domain": tokens_chars, "selection": drops,
-               "openings": OPENINGS, "shares": SHARES, "math_sampled_per_packaged_prompt": MATH_SAMPLED,
+               "packaged_math_prompts": len(packaged), "openings": OPENINGS, "shares": SHARES,
+               "math_sampled_per_packaged_prompt": MATH_SAMPLED,
                "config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in base.items()}, "seed": seed,
                           "max_new_tokens": max_new}}
     (d / "recipe.json").write_text(json.dumps(summary, indent=1))

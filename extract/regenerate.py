@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -36,11 +37,23 @@ import torch
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 
-__all__ = ["RegenConfig", "pre_query_text", "regenerate"]
+__all__ = ["RegenConfig", "RegenSummary", "pre_query_text", "regenerate"]
 
 
-def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> int:
-    """Append generated conversations to cfg.out; returns how many were written now.
+@dataclass(frozen=True)
+class RegenSummary:
+    written: int
+    """Records appended to the output now."""
+    failed: int
+    """Requests that failed after their retries (openai engine; listed in OUT.errors.jsonl)."""
+    retried: int
+    """Requests that succeeded only after a retry (openai engine)."""
+    new_tokens: int
+    seconds: float
+
+
+def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> RegenSummary:
+    """Append generated conversations to cfg.out; returns what was written now.
 
     Takes a RegenConfig, or its fields as keywords (`shard` as an (i, n) tuple). `loaded`: a
     cache_format.target.LoadedTarget already in memory (several runs, one load).
@@ -121,7 +134,7 @@ def _static_results(cfg, model, tok, prompt_ids, todo, eos, batch) -> Iterator[t
                        top_k=cfg.top_k, top_p=cfg.top_p, sync_every=cfg.sync_every)
     reqs = [Request((i, k), prompt_ids[i], request_key(cfg.seed, i, k)) for i, k in todo]
     for job, toks in eng.generate(reqs):
-        yield job, tok.decode(toks, skip_special_tokens=True), len(toks)
+        yield job, tok.decode(toks, skip_special_tokens=True), len(toks), 1
 
 
 def _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device):
@@ -149,7 +162,7 @@ def _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, devi
         for job, row in zip(group, out[:, T:].tolist()):
             if job not in done:
                 cut = next((n + 1 for n, t in enumerate(row) if t in eos), len(row))
-                yield job, tok.decode(row[:cut], skip_special_tokens=True), cut
+                yield job, tok.decode(row[:cut], skip_special_tokens=True), cut, 1
 
 
 def _openai_results(cfg, convs, opening, todo):
@@ -172,21 +185,22 @@ def _openai_results(cfg, convs, opening, todo):
                 ef.write(json.dumps({"prompt_index": r.job[0], "sample": r.job[1], "error": r.error,
                                      "attempts": r.attempts, "time": time.time()}) + "\n")
                 ef.flush()
-                yield r.job, None, 0
+                yield r.job, None, 0, r.attempts
             else:
-                yield r.job, r.text, r.completion_tokens
+                yield r.job, r.text, r.completion_tokens, r.attempts
 
 
-def _write(cfg: RegenConfig, out: Path, convs, results) -> int:
+def _write(cfg: RegenConfig, out: Path, convs, results) -> RegenSummary:
     """Append a record per result (fsync every 2 s and at the end); progress and a closing summary."""
     from tqdm import tqdm
 
-    written = failed = tokens = 0
+    written = failed = tokens = retried = 0
     t0 = last_sync = time.perf_counter()
     bar = tqdm(unit="req", desc="regenerate", mininterval=2.0, file=sys.stderr, disable=None)
     with open(out, "a", encoding="utf-8") as f:
-        for (i, k), text, n in results:
+        for (i, k), text, n, attempts in results:
             bar.update(1)
+            retried += attempts > 1
             tokens += n
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
             if text is None:
@@ -211,10 +225,12 @@ def _write(cfg: RegenConfig, out: Path, convs, results) -> int:
     bar.close()
     s = time.perf_counter() - t0
     msg = f"{written} written, {failed} failed, {tokens} new tokens in {s:.1f} s ({tokens / max(s, 1e-9):,.0f} tok/s)"
+    if retried:
+        msg += f"; {retried} requests needed retries"
     if failed:
         msg += f"; failures in {cfg.out}.errors.jsonl (rerun to retry them)"
     print(msg, file=sys.stderr)
-    return written
+    return RegenSummary(written, failed, retried, tokens, s)
 
 
 def _done_pairs(out: Path) -> set[tuple[int, int]]:
@@ -303,10 +319,13 @@ def main(shard: str, base_url: str, recipe: str, recipe_samples: int, **kw) -> N
 
             build_recipe(recipe, out_dir=kw.pop("out"), samples=recipe_samples, **kw)
             return
-        n = regenerate(RegenConfig(**kw))
+        res = regenerate(RegenConfig(**kw))
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"wrote {n} conversations to {kw['out']}")
+    click.echo(f"wrote {res.written} conversations to {kw['out']}")
+    if res.failed:  # nothing is dropped silently: the errors file lists them, a rerun retries them
+        click.echo(f"error: {res.failed} requests failed; see {kw['out']}.errors.jsonl and rerun to retry them", err=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def test_shards_and_resume_reproduce_one_run(tmp_path):
     target = tiny_target_dir(tmp_path / "t", "llama")
     prompts = write_chats(tmp_path / "p.jsonl", 5)
     kw = dict(target=target, prompts=prompts, num_samples=2, temperature=0.8, max_new_tokens=6, batch_size=3, seed=1)
-    assert regenerate(out=str(tmp_path / "one.jsonl"), **kw) == 10
+    assert regenerate(out=str(tmp_path / "one.jsonl"), **kw).written == 10
     one = _records(tmp_path / "one.jsonl")
     assert len(one) == 10 and len(set(one.values())) > 1  # sampled, seeded per batch
     # two shards (one process per GPU) hold exactly what one run wrote
@@ -33,7 +33,7 @@ def test_shards_and_resume_reproduce_one_run(tmp_path):
     # a run cut short (torn last line) and rerun writes only what was missing
     lines = (tmp_path / "one.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "cut.jsonl").write_text("".join(lines[:4]) + lines[4][:7])
-    assert regenerate(out=str(tmp_path / "cut.jsonl"), **kw) == 6
+    assert regenerate(out=str(tmp_path / "cut.jsonl"), **kw).written == 6
     assert _records(tmp_path / "cut.jsonl") == one
 
 
@@ -54,7 +54,7 @@ def test_invented_prompts_shard_resume_and_answer(tmp_path):
     target = tiny_target_dir(tmp_path / "t", "llama")
     kw = dict(target=target, invent=7, invent_prefix="Write a Python function", temperature=1.0, max_new_tokens=8,
               batch_size=3, seed=2)
-    n = regenerate(out=str(tmp_path / "one.jsonl"), **kw)
+    n = regenerate(out=str(tmp_path / "one.jsonl"), **kw).written
     one = _prompts(tmp_path / "one.jsonl")
     assert 0 < n == len(one) <= 7 and all(p.startswith("Write a Python function") for p in one.values())
     assert len(set(one.values())) > 1
@@ -62,9 +62,9 @@ def test_invented_prompts_shard_resume_and_answer(tmp_path):
         regenerate(out=str(tmp_path / f"s{i}.jsonl"), shard=(i, 2), **kw)
     a, b = _prompts(tmp_path / "s0.jsonl"), _prompts(tmp_path / "s1.jsonl")
     assert not a.keys() & b.keys() and {**a, **b} == one
-    assert regenerate(out=str(tmp_path / "one.jsonl"), **kw) == 0  # resumed: nothing new
+    assert regenerate(out=str(tmp_path / "one.jsonl"), **kw).written == 0  # resumed: nothing new
     answered = regenerate(out=str(tmp_path / "ans.jsonl"), target=target, prompts=str(tmp_path / "one.jsonl"),
-                          max_new_tokens=4, batch_size=4)
+                          max_new_tokens=4, batch_size=4).written
     assert answered == len(one) and len(_records(tmp_path / "ans.jsonl")) == len(one)
 
 

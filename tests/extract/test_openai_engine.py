@@ -1,0 +1,81 @@
+"""The openai engine against a real OpenAI-compatible server (`transformers serve`, packaged SmolLM2,
+CPU) started on 127.0.0.1 by the test: same text as the in-process engine, a server killed mid-run
+is retried, a server that stays down leaves an errors file and a nonzero exit, and a rerun completes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from extract.local_server import LocalServer
+from extract.regenerate import regenerate
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from cache_format.target import save_hf_dir
+
+    d = tmp_path_factory.mktemp("served")
+    model_dir = save_hf_dir("", d / "smol")
+    server = LocalServer(model_dir, log=str(d / "server.log")).start()
+    yield server
+    server.stop()
+
+
+def _records(path):
+    with open(path, encoding="utf-8") as f:
+        return {(r["prompt_index"], r["sample"]): r["messages"][-1]["content"] for r in map(json.loads, f)}
+
+
+def _cli(out, server, *extra):
+    return subprocess.Popen([sys.executable, "-m", "extract.regenerate", "--engine", "openai", "--base-url", server.url,
+                             "--model", server.model_dir, "--out", str(out), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_server_replies_equal_the_in_process_engine(served, tmp_path):
+    kw = dict(limit=4, max_new_tokens=24, temperature=0.0)
+    res = regenerate(out=str(tmp_path / "api.jsonl"), engine="openai", base_url=(served.url,), model=served.model_dir,
+                     concurrency=2, **kw)
+    assert (res.written, res.failed) == (4, 0) and res.new_tokens > 0
+    regenerate(out=str(tmp_path / "local.jsonl"), engine="static", **kw)  # float32 on the CPU, as the server
+    api, local = _records(tmp_path / "api.jsonl"), _records(tmp_path / "local.jsonl")
+    assert api == local and len(api) == 4
+
+
+def test_a_server_killed_mid_run_is_retried(served, tmp_path):
+    out = tmp_path / "x.jsonl"
+    p = _cli(out, served, "--limit", "8", "--max-new-tokens", "24", "--concurrency", "2", "--retries", "8")
+    end = time.monotonic() + 120
+    while (not out.exists() or len(out.read_text().splitlines()) < 2) and time.monotonic() < end:
+        time.sleep(0.2)
+    served.stop()  # kill -9 while requests are in flight
+    time.sleep(1.0)
+    served.start()
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log
+    assert len(_records(out)) == 8 and "8 written, 0 failed" in log and "needed retries" in log, log
+    errors = tmp_path / "x.jsonl.errors.jsonl"
+    assert not errors.exists() or errors.read_text() == ""
+
+
+def test_failures_are_recorded_then_completed_by_a_rerun(served, tmp_path):
+    out = tmp_path / "y.jsonl"
+    served.stop()
+    p = _cli(out, served, "--limit", "5", "--max-new-tokens", "8", "--retries", "1")
+    log = p.communicate(timeout=120)[0]
+    assert p.returncode == 3 and "5 requests failed" in log, log
+    errors = [json.loads(x) for x in (tmp_path / "y.jsonl.errors.jsonl").read_text().splitlines()]
+    assert sorted(e["prompt_index"] for e in errors) == [0, 1, 2, 3, 4]
+    assert all(e["attempts"] == 2 and "127.0.0.1" in e["error"] for e in errors)
+    served.start()
+    p = _cli(out, served, "--limit", "5", "--max-new-tokens", "8", "--retries", "1")
+    log = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, log
+    assert sorted(_records(out)) == [(i, 0) for i in range(5)]
