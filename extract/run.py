@@ -27,6 +27,7 @@ from cache_format import (
     write_prompt_keys,
 )
 from cache_format.index import LogFollower
+from cache_format.lock import StoreLock
 from cache_format.schema import default_bucket_bounds
 from cache_format.target import frozen_parts, load_target
 from extract.config import ExtractConfig
@@ -98,7 +99,20 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
     if world.world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     t0 = time.time()
+    # one writing run per store: refused at once, before the target loads (cache_format/lock.py)
+    lock = StoreLock(cfg.store, world.rank)
+    if world.rank == 0:
+        lock.acquire()
+    _barrier(world)
+    if world.rank != 0:
+        lock.acquire()
+    try:
+        return _run_locked(cfg, world, device, t0)
+    finally:
+        lock.release()
 
+
+def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: float) -> dict:
     # ------------------------------------------------------------------ target and data
     target = load_target(cfg.target, device=device)
     n_layers = target.info.num_layers

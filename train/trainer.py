@@ -300,6 +300,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                          persistent_workers=False)
         return steps, iter(dl)
 
+    def log_row(epoch: int) -> None:
+        """One metrics row over the steps since the last one (all ranks take part)."""
+        nonlocal acc_sum, cnt_sum, loss_sum, n_loss, positions, wait, t_log
+        stats = torch.cat([acc_sum, cnt_sum, loss_sum[None], torch.tensor([n_loss], device=device),
+                           positions[None].float(), torch.tensor([wait], device=device)])
+        if world > 1:
+            dist.all_reduce(stats)
+        bs = cfg.block_size
+        acc = (stats[:bs] / stats[bs:2 * bs].clamp(min=1)).tolist()[1:]
+        dt = time.time() - t_log
+        row = {"step": step, "epoch": epoch, "loss": float(stats[2 * bs] / stats[2 * bs + 1]),
+               "lr": sched.get_last_lr()[0], "acc": acc, "sim_tau": acceptance_from_acc(acc),
+               "positions_per_s": float(stats[2 * bs + 2]) / dt, "data_wait_frac": float(stats[2 * bs + 3]) / world / dt}
+        log.write(row)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}")
+        acc_sum.zero_(), cnt_sum.zero_()
+        loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
+
     epoch = start_epoch
     position = (start_epoch, skip)
     done = step >= total
@@ -346,20 +364,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             step += 1
             bar.update(1)
             if step % cfg.log_every == 0 or step == total:
-                stats = torch.cat([acc_sum, cnt_sum, loss_sum[None], torch.tensor([n_loss], device=device),
-                                   positions[None].float(), torch.tensor([wait], device=device)])
-                if world > 1:
-                    dist.all_reduce(stats)
-                bs = cfg.block_size
-                acc = (stats[:bs] / stats[bs:2 * bs].clamp(min=1)).tolist()[1:]
-                dt = time.time() - t_log
-                row = {"step": step, "epoch": epoch, "loss": float(stats[2 * bs] / stats[2 * bs + 1]),
-                       "lr": sched.get_last_lr()[0], "acc": acc, "sim_tau": acceptance_from_acc(acc),
-                       "positions_per_s": float(stats[2 * bs + 2]) / dt, "data_wait_frac": float(stats[2 * bs + 3]) / world / dt}
-                log.write(row)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}")
-                acc_sum.zero_(), cnt_sum.zero_()
-                loss_sum, n_loss, positions, wait, t_log = zero(), 0, zero(), 0.0, time.time()
+                log_row(epoch)
             position = (epoch, s_idx + 1)
             t_pause = time.time()
             if val_ds is not None and step % cfg.val_every == 0:
@@ -378,6 +383,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             position = (epoch + 1, 0)
         epoch += 1
     bar.close()
+    if n_loss:  # steps since the last row (a run ended by its epochs between --log-every steps)
+        log_row(epoch - 1)
     if val_ds is not None and step % cfg.val_every:
         validate()
     checkpoint(*position)

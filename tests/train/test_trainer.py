@@ -279,3 +279,12 @@ def test_patience_stops_after_evaluations_without_a_new_best(store, tmp_path, mo
     assert best_checkpoint(out).name == "best-20" and latest_checkpoint(out).name == "step-40"
     with pytest.raises(ValueError, match="patience"):
         _cfg(store, out, patience=2)  # nothing held out to be patient about
+
+
+def test_the_last_steps_are_logged_when_the_epochs_end_between_log_rows(store, tmp_path):
+    """Epochs end the run before --max-steps and off a --log-every step: a row still covers the tail."""
+    res = train(_cfg(store, tmp_path / "r", epochs=1, max_steps=1000, log_every=1000))
+    assert 0 < res["steps"] < 1000 and [r["step"] for r in _metrics(tmp_path / "r")] == [res["steps"]]
+    n = res["steps"]
+    res = train(_cfg(store, tmp_path / "r2", epochs=2, max_steps=1000, log_every=n + 1))
+    assert [r["step"] for r in _metrics(tmp_path / "r2")] == [n + 1, res["steps"]] and res["steps"] > n + 1

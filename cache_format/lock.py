@@ -1,0 +1,80 @@
+"""One writing run per store: an OS file lock beside the store, held for the run's life.
+
+`flock` locks belong to the open file and vanish with the process, so a run killed with -9 never
+leaves a stale lock. The lock file sits beside the store (`STORE.lock`), not inside it: an
+`--overwrite` deletes the store directory, and a lock inside it would be deleted with it.
+
+A multi-rank run takes it per rank: rank 0 takes `STORE.lock` before anything is written, then
+every other rank takes `STORE.lock.rankR` after a barrier. A second, separate run is refused by
+its rank 0 (its other ranks wait at its barrier and never write). The holder writes its pid,
+host and rank into the file, so the refusal names who holds the store. Readers (`train
+--follow`) take no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from cache_format.errors import CacheFormatError
+
+__all__ = ["StoreLock", "StoreLockedError", "lock_path"]
+
+
+class StoreLockedError(CacheFormatError):
+    """Another run is writing the store."""
+
+
+def lock_path(store: str | os.PathLike, rank: int = 0) -> Path:
+    base = str(Path(store).absolute()).rstrip("/") + ".lock"
+    return Path(base if rank == 0 else f"{base}.rank{rank}")
+
+
+class StoreLock:
+    """The writing lock of one rank on one store (see the module doc)."""
+
+    def __init__(self, store: str | os.PathLike, rank: int = 0) -> None:
+        self.store, self.rank = str(store), rank
+        self.path = lock_path(store, rank)
+        self.fd: int | None = None
+
+    def acquire(self) -> StoreLock:
+        """Take the lock now or raise StoreLockedError naming the holder (never waits)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise StoreLockedError(f"{self.store}: another run is writing this store ({holder}; lock {self.path}); "
+                                   "wait for it to end or stop it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> StoreLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {info['pid']} on host {info['host']}, rank {info['rank']}, since {info['since']}"
+    except (ValueError, KeyError, OSError):
+        return "holder unknown"
