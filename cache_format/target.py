@@ -24,7 +24,8 @@ import torch
 
 from cache_format.schema import TargetInfo
 
-__all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "save_hf_dir", "tokenizer_sha256"]
+__all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "save_hf_dir", "target_sha256",
+           "tokenizer_sha256"]
 
 
 def packaged_gguf() -> str:
@@ -60,6 +61,16 @@ def _sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def target_sha256(spec: str) -> str:
+    """The identity of a target path: sha256 of the .gguf file, or of an HF directory's config.json."""
+    path = Path(spec or packaged_gguf())
+    if path.suffix == ".gguf" and path.is_file():
+        return _sha256_file(path)
+    if (path / "config.json").is_file():
+        return _sha256_file(path / "config.json")
+    raise ValueError(f"target {path} is neither a .gguf file nor an HF directory with config.json")
 
 
 def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = None) -> LoadedTarget:

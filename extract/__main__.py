@@ -72,6 +72,7 @@ def main(as_json: bool, **kw) -> None:
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return
+    click.echo(f"data {summary['data']}")
     click.echo(f"store {summary['store']}: {summary['samples_in_store']} samples "
                f"({summary['samples_written_now']} written now, {summary['already_committed']} already committed)")
     for reason, n in sorted(summary["skipped"].items()):

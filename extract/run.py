@@ -7,6 +7,8 @@ loop never waits on the disk; rank 0 finalizes once every rank has closed its wr
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 from collections import Counter
@@ -39,7 +41,8 @@ from extract.writer_process import ProcessWriter
 
 __all__ = ["World", "run"]
 
-DEFAULT_DATA = "data/smollm2_default_train.jsonl"
+DEFAULT_DATA_DIR = "data"
+DEFAULT_MAX_NEW_TOKENS = 96
 
 
 @dataclass(frozen=True)
@@ -59,16 +62,31 @@ def _barrier(world: World) -> None:
         dist.barrier()
 
 
+def default_data_path(cfg: ExtractConfig) -> Path:
+    """Where the default data for `cfg` lives: named by a hash of everything that decides it (the
+    target file's sha256, the prompt limit, the seed, the generation settings), so another target,
+    limit or seed never reuses these answers."""
+    from cache_format.target import packaged_gguf, target_sha256
+
+    ident = {"target_sha256": target_sha256(cfg.target or packaged_gguf()), "limit": cfg.limit or 64,
+             "seed": cfg.seed, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "temperature": 0.0,
+             "prompts": "packaged training prompts"}
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(DEFAULT_DATA_DIR) / f"default-{key}.jsonl"
+
+
 def _default_data(cfg: ExtractConfig, world: World) -> str:
-    """The packaged prompts with target-generated responses (rank 0 generates once, cached)."""
-    if not Path(DEFAULT_DATA).exists() and world.rank == 0:
+    """The packaged prompts with target-generated responses (rank 0 generates once per identity)."""
+    path = default_data_path(cfg)
+    if not path.exists() and world.rank == 0:
         from extract.regenerate import regenerate
 
-        tmp = DEFAULT_DATA + ".partial"
-        regenerate(out=tmp, target=cfg.target, limit=cfg.limit or 64, max_new_tokens=96, seed=cfg.seed)
-        os.replace(tmp, DEFAULT_DATA)
+        tmp = path.with_suffix(".partial")
+        regenerate(out=str(tmp), target=cfg.target, limit=cfg.limit or 64, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                   seed=cfg.seed)
+        os.replace(tmp, path)
     _barrier(world)
-    return DEFAULT_DATA
+    return str(path)
 
 
 def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter) -> list[Rendered]:
@@ -112,7 +130,19 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
         lock.release()
 
 
+def _check_data_file(path: str) -> None:
+    """Cheap checks of --data before the target loads (which takes up to minutes)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such data file")
+    with open(p, "rb") as f:
+        if not any(line.strip() for line in f):
+            raise ValueError(f"{path}: the data file holds no records")
+
+
 def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: float) -> dict:
+    if cfg.data:
+        _check_data_file(cfg.data)
     # ------------------------------------------------------------------ target and data
     target = load_target(cfg.target, device=device)
     n_layers = target.info.num_layers
@@ -123,6 +153,9 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     data = cfg.data or _default_data(cfg, world)
     skipped: Counter = Counter()
     samples = _render_all(cfg, data, target.tokenizer, skipped)
+    if not samples:
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none rendered"
+        raise ValueError(f"{data}: no usable samples ({why})")
     by_id = {r.sample_id: r for r in samples}
 
     # ------------------------------------------------------------------ the store
@@ -189,7 +222,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
 
         info = inspect_store(cfg.store)
         summary = {
-            "store": cfg.store, "samples_written_now": sum(s["written"] for s in stats),
+            "store": cfg.store, "data": str(data), "samples_written_now": sum(s["written"] for s in stats),
             "samples_in_store": state["num_samples"], "already_committed": len(committed),
             "skipped": dict(skipped), "tokens_now": sum(s["tokens"] for s in stats),
             "tokens_per_s_per_rank": [s["tokens"] / s["seconds"] if s["seconds"] else 0.0 for s in stats],

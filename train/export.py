@@ -15,6 +15,7 @@ i = hidden_states[i+1]), as z-lab and SGLang expect. vLLM captures *before* a la
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import click
@@ -45,8 +46,16 @@ def from_export_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k.replace(".self_attn.", ".").replace(".mlp.", "."): v for k, v in state.items()}
 
 
-def export_run(run: str, out: str, checkpoint: str = "") -> Path:
+def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False) -> Path:
+    """Write the run's chosen checkpoint to `out`; a non-empty `out` is refused unless `overwrite`
+    (files of another export beside ours would be served with it)."""
     from train.checkpoint import load_checkpoint, resolve_checkpoint
+
+    dst = Path(out)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        if not overwrite:
+            raise ValueError(f"{dst}: exists and is not empty; pass --overwrite to replace it, or another --out")
+        shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
 
     ck = resolve_checkpoint(run, checkpoint)
     weights, _, state = load_checkpoint(ck)
@@ -74,7 +83,6 @@ def export_run(run: str, out: str, checkpoint: str = "") -> Path:
         "layer_types": ["full_attention"] * dc.num_layers,
         "dflash_config": {"mask_token_id": dc.mask_token_id, "target_layer_ids": state["layer_ids"]},
     }
-    dst = Path(out)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in to_export_names(weights).items()},
@@ -99,10 +107,11 @@ def load_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list
 @click.option("--out", required=True, help="Export directory.")
 @click.option("--checkpoint", default="", help="'best', 'latest' or a checkpoint directory [default: best if the "
               "run validated, else latest].")
-def main(run: str, out: str, checkpoint: str) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
+def main(run: str, out: str, checkpoint: str, overwrite: bool) -> None:
     """Export a trained drafter for SGLang / vLLM (z-lab DFlash layout)."""
     try:
-        dst = export_run(run, out, checkpoint)
+        dst = export_run(run, out, checkpoint, overwrite=overwrite)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"exported to {dst}")

@@ -320,7 +320,7 @@ def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama,
 def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path, llama):
     """Two extractions of one store at once: the second (one rank, or two under torchrun) fails in
     one line naming the store and the first's pid; the first finishes a sound store."""
-    data = write_chats(tmp_path / "many.jsonl", 120, seed=2)
+    data = write_chats(tmp_path / "many.jsonl", 600, seed=2)  # long enough to outlast both refusals
     store = tmp_path / "s.zarr"
     first = _cli(_cli_args(store, llama, data, "--token-budget", "256"))
     lock = Path(str(store) + ".lock")

@@ -84,3 +84,14 @@ def test_pre_query_text_is_the_template_before_the_user_message(tmp_path):
     head = pre_query_text(tok)
     full = tok.apply_chat_template([{"role": "user", "content": "hello there"}], tokenize=False)
     assert full.startswith(head) and full[len(head):].startswith("hello there") and "hello" not in head
+
+
+def test_default_data_is_keyed_by_what_decides_it(tmp_path):
+    """extract's default data file is named by target, limit, seed and settings: no reuse across them."""
+    from extract.config import ExtractConfig
+    from extract.run import default_data_path
+
+    a, b = tiny_target_dir(tmp_path / "a", "llama"), tiny_target_dir(tmp_path / "b", "qwen3")
+    path = lambda **kw: default_data_path(ExtractConfig(store="s", **{"target": a, **kw}))
+    assert path() == path() == path(limit=64)  # 64 is the default limit
+    assert len({path(), path(limit=8), path(limit=16), path(seed=1), path(target=b)}) == 5

@@ -134,3 +134,18 @@ def test_tau_by_source_is_token_weighted():
     got = _by_source(rows)
     assert got["tau_by_source"] == {"gsm8k": 2.0, "HumanEval": 1.0}  # 40/20, not the mean of 3.0 and 1.0
     assert got["prompt_lookup_tau_by_source"] == {"gsm8k": 40 / 30, "HumanEval": 2.0}
+
+
+def test_export_refuses_a_non_empty_out_unless_overwrite(trained, tmp_path):
+    _, _, run = trained
+    out = tmp_path / "exp"
+    out.mkdir()
+    (out / "stale.safetensors").write_text("another export's file")
+    with pytest.raises(ValueError, match="not empty"):
+        export_run(run, str(out))
+    assert (out / "stale.safetensors").exists() and not (out / "config.json").exists()
+    export_run(run, str(out), overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    export_run(run, str(out), overwrite=True)  # its own earlier export too needs --overwrite
+    with pytest.raises(ValueError, match="not empty"):
+        export_run(run, str(out))
