@@ -91,7 +91,11 @@ def show(store: str, sample_id: int) -> None:
     if tok_dir.is_dir():
         from transformers import AutoTokenizer
 
-        decode = AutoTokenizer.from_pretrained(str(tok_dir)).decode
+        try:
+            decode = AutoTokenizer.from_pretrained(str(tok_dir)).decode
+        except Exception as e:  # noqa: BLE001 - tokenizers raise many types on a damaged file
+            _fail(CacheFormatError(f"{tok_dir}: damaged tokenizer ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0][:200] if str(e) else ''})"))
     spans, cur, cur_m = [], [], mask[0] if mask else 0
     for t, mk in zip(ids, mask):
         if mk != cur_m:

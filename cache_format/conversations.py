@@ -37,7 +37,10 @@ def _parse(line: str, where: str, require_assistant: bool = True) -> list[dict[s
         key_role, key_text, roles = "from", "value", _SHAREGPT_ROLES
     else:
         raise BadRecord(f"{where}: record has neither 'messages' nor 'conversations'")
-    if not isinstance(msgs, list) or not msgs:
+    if not isinstance(msgs, list):
+        raise BadRecord(f"{where}: '{'messages' if key_role == 'role' else 'conversations'}' must be a list of "
+                        f"messages, got {type(msgs).__name__}")
+    if not msgs:
         raise BadRecord(f"{where}: empty conversation")
     out = []
     for i, m in enumerate(msgs):
@@ -48,6 +51,11 @@ def _parse(line: str, where: str, require_assistant: bool = True) -> list[dict[s
             raise BadRecord(f"{where}: message {i} has unknown role {m[key_role]!r}")
         if not isinstance(m[key_text], str):
             raise BadRecord(f"{where}: message {i} content is not a string")
+        try:
+            m[key_text].encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can spell a lone UTF-16 surrogate; no tokenizer takes it
+            raise BadRecord(f"{where}: message {i} holds a lone surrogate {e.object[e.start]!r} at character "
+                            f"{e.start} (not valid Unicode)") from None
         out.append({"role": role, "content": m[key_text]})
     if require_assistant and not any(m["role"] == "assistant" for m in out):
         raise BadRecord(f"{where}: no assistant turn")
@@ -61,13 +69,18 @@ def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0, bad:
     A bad line raises `BadRecord` naming file and line, unless `skip_bad` (then its message is
     appended to `bad`). Blank lines are skipped silently.
     """
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad record, named, not a crash
+        for lineno, raw in enumerate(f):
             if limit and lineno >= limit:
                 return
-            if not line.strip():
+            if not raw.strip():
                 continue
             try:
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 0 else "utf-8")  # a BOM may open the file
+                except UnicodeDecodeError as e:
+                    raise BadRecord(f"{path}:{lineno + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
+                                    f"{e.start} of the line)") from None
                 yield lineno, _parse(line, f"{path}:{lineno + 1}", require_assistant)
             except BadRecord as e:
                 if not skip_bad:

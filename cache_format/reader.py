@@ -112,8 +112,12 @@ class StoreReader:
         path = self.root / FROZEN_FILE
         if not path.exists():
             raise CacheFormatError(f"{self.root}: store has no {FROZEN_FILE} (embedding, lm_head, norm)")
-        parts = load_file(str(path))
-        parts.setdefault("lm_head.weight", parts["embed_tokens.weight"])  # tied embeddings
+        try:
+            parts = load_file(str(path))
+            parts.setdefault("lm_head.weight", parts["embed_tokens.weight"])  # tied embeddings
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
+            raise CacheFormatError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                                   "extract the store again") from None
         return parts
 
     # ---------------------------------------------------------------- reads

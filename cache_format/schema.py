@@ -170,15 +170,16 @@ class Manifest:
             raise UnknownFormatVersionError(
                 f"store format_version {version} is not supported (this draftcache reads version {FORMAT_VERSION})"
             )
-        d = dict(d)
-        d["target"] = TargetInfo(**d["target"])
-        d["dataset"] = DatasetInfo(**d["dataset"])
-        d["layer_ids"] = tuple(d["layer_ids"])
-        d["bucket_bounds"] = tuple(d["bucket_bounds"])
         try:
+            d = dict(d)
+            d["target"] = TargetInfo(**d["target"])
+            d["dataset"] = DatasetInfo(**d["dataset"])
+            d["layer_ids"] = tuple(d["layer_ids"])
+            d["bucket_bounds"] = tuple(d["bucket_bounds"])
             return cls(**d)
-        except TypeError as e:  # an unknown or missing key
-            raise CacheFormatError(f"manifest does not match format version {version}: {e}") from None
+        except (TypeError, KeyError, ValueError) as e:  # a damaged, unknown or missing field
+            raise CacheFormatError(f"manifest is damaged or does not match format version {version}: "
+                                   f"{type(e).__name__}: {e}") from None
 
 
 def parse_layer_ids(text: str) -> tuple[int, ...]:

@@ -55,6 +55,11 @@ def tokenizer_sha256(tokenizer) -> str:
     return h.hexdigest()
 
 
+def _first_line(e: Exception) -> str:
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return lines[0][:300] if lines else ""
+
+
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -92,8 +97,14 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
         where, sha = str(path), _sha256_file(path / "config.json")
     else:
         raise ValueError(f"target {path} is neither a .gguf file nor an HF directory with config.json")
-    tok = AutoTokenizer.from_pretrained(where, **kw)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).to(device).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(where, **kw)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types, often with multi-line text
+        raise ValueError(f"target {path}: cannot load its tokenizer ({type(e).__name__}: {_first_line(e)})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).to(device).eval()
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(f"target {path}: cannot load the model ({type(e).__name__}: {_first_line(e)})") from None
     model.requires_grad_(False)
     cfg = model.config
     info = TargetInfo(

@@ -99,3 +99,48 @@ def test_forked_dataloader_workers(store):
     for i in (0, 17, 39):
         assert got[i] == pytest.approx(make_sample(i, sample_length(i), m)["hidden"].bfloat16().float().sum().item(), rel=1e-5)
     assert_sample_equal(r.get(5), make_sample(5, sample_length(5), m))
+
+
+def _one_line_refusal(args) -> str:
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("field,value", [("target", "x"), ("layer_ids", 7), ("dataset", None), ("max_len", "long")])
+def test_a_damaged_manifest_is_one_line(store, field, value):
+    meta = store / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["draftcache"][field] = value
+    meta.write_text(json.dumps(doc))
+    from cache_format import CacheFormatError
+
+    with pytest.raises(CacheFormatError) as e:
+        StoreReader(store)
+    assert str(store) in str(e.value) and "\n" not in str(e.value)
+    assert "manifest" in _one_line_refusal(["inspect", str(store)])
+
+
+def test_a_damaged_frozen_file_is_one_line(store):
+    from cache_format import CacheFormatError, write_frozen
+
+    write_frozen(store, {"embed_tokens.weight": torch.randn(10, 8), "norm.weight": torch.ones(8)})
+    path = store / "frozen.safetensors"
+    data = bytearray(path.read_bytes())
+    data[3] ^= 0xFF  # the header length
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheFormatError) as e:
+        StoreReader(store).frozen()
+    assert str(path) in str(e.value) and "damaged" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_damaged_tokenizer_is_one_line_in_show(store):
+    from tests.helpers import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(str(store / "tokenizer"))
+    (store / "tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": 3')
+    (store / "tokenizer" / "tokenizer_config.json").write_text("{not json")
+    line = _one_line_refusal(["show", str(store), "0"])
+    assert "tokenizer" in line

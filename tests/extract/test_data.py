@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extract.data import BadRecord, read_conversations, render
 from tests.helpers import tiny_tokenizer
@@ -61,6 +63,9 @@ GOOD = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assi
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "d.jsonl:2: message 0 has unknown role 'wizard'"),
     ('{"text": "x"}', "d.jsonl:2: record has neither"),
     ('[1, 2]', "d.jsonl:2: record is not a JSON object"),
+    ('{"messages": "hello"}', "d.jsonl:2: 'messages' must be a list of messages, got str"),
+    ('{"messages": [{"role": "user", "content": "\\ud800 x"}, {"role": "assistant", "content": "y"}]}',
+     "d.jsonl:2: message 0 holds a lone surrogate"),
 ])
 def test_bad_records_name_file_and_line(tmp_path, line, msg):
     p = _write(tmp_path, [GOOD, line, GOOD])
@@ -69,6 +74,58 @@ def test_bad_records_name_file_and_line(tmp_path, line, msg):
     bad: list[str] = []
     got = list(read_conversations(p, skip_bad=True, bad=bad))
     assert [sid for sid, _ in got] == [0, 2] and len(bad) == 1 and msg in bad[0]
+
+
+def test_invalid_utf8_is_one_named_bad_record(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(GOOD.encode() + b"\n" + b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n' + GOOD.encode() + b"\n")
+    with pytest.raises(BadRecord, match=r"d.jsonl:2: not valid UTF-8 \(byte 0xe9"):
+        list(read_conversations(p, skip_bad=False))
+    bad: list[str] = []
+    assert [sid for sid, _ in read_conversations(p, skip_bad=True, bad=bad)] == [0, 2] and len(bad) == 1
+
+
+def test_a_byte_order_mark_opens_the_file(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\n")
+    assert len(list(read_conversations(p, skip_bad=False))) == 1
+
+
+_PIECES = ['{', '}', '[', ']', '"', ':', ',', 'messages', 'role', 'content', 'user', 'assistant', 'conversations',
+           'from', 'value', 'gpt', '\\u', 'd800', '\\ud83d', 'null', '1', 'true', ' ', '\\', 'x']
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_corruption_of_a_record_is_one_named_bad_record_or_a_conversation(tmp_path_factory, data):
+    """Random edits of valid records (bytes cut, inserted, replaced; invalid UTF-8 too): the reader and
+    the renderer either give a conversation or raise BadRecord naming file and line, never another
+    exception; --skip-bad skips exactly the bad lines."""
+    tok = tiny_tokenizer()
+    line = bytearray(json.dumps({"messages": [{"role": "user", "content": "two plus two"},
+                                              {"role": "assistant", "content": "four"}]}).encode())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(line)))
+        op = data.draw(st.sampled_from(["cut", "insert", "replace", "byte"]))
+        if op == "cut":
+            del line[i: i + data.draw(st.integers(1, 6))]
+        elif op == "insert":
+            line[i:i] = data.draw(st.sampled_from(_PIECES)).encode()
+        elif op == "replace" and i < len(line):
+            line[i: i + 1] = data.draw(st.sampled_from(_PIECES)).encode()
+        else:
+            line[i:i] = bytes([data.draw(st.integers(0x80, 0xFF))])
+    line = bytes(line).replace(b"\n", b" ")
+    p = tmp_path_factory.mktemp("fuzz") / "d.jsonl"
+    p.write_bytes(GOOD.encode() + b"\n" + line + b"\n" + GOOD.encode() + b"\n")
+    try:
+        for sid, msgs in read_conversations(p, skip_bad=False):
+            render(sid, msgs, tok, max_len=64)
+    except BadRecord as e:
+        assert str(e).startswith(f"{p}:2: ") and "\n" not in str(e)
+    bad: list[str] = []
+    got = [sid for sid, _ in read_conversations(p, skip_bad=True, bad=bad)]
+    assert got == [0, 2] if bad else got == [0, 1, 2]
 
 
 def test_sharegpt(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -339,3 +340,21 @@ def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path, llama):
     assert first.returncode == 0, out
     v = verify_store(store)
     assert v["ok"] and v["duplicate_sample_ids"] == [] and StoreReader(store).finalized
+
+
+def test_target_without_tokenizer_and_empty_data_are_one_line(tmp_path, llama, chats):
+    target = tmp_path / "t"
+    shutil.copytree(llama, target)
+    for f in target.iterdir():
+        if "token" in f.name or "chat" in f.name:
+            f.unlink()
+    p = _cli(_cli_args(tmp_path / "s.zarr", str(target), chats))
+    out, _ = p.communicate(timeout=120)
+    errors = [x for x in out.splitlines() if x.startswith("error:")]
+    assert p.returncode == 2 and len(errors) == 1 and str(target) in errors[0] and "tokenizer" in errors[0], out
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    p = _cli(_cli_args(tmp_path / "s2.zarr", llama, str(empty)))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 2 and f"error: {empty}: the data file holds no records" in out, out
+    assert not (tmp_path / "s2.zarr").exists()
