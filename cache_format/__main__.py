@@ -67,6 +67,8 @@ def verify(store: str, as_json: bool) -> None:
     else:
         for b in res["bad_shards"]:
             click.echo(f"BAD {b['shard']}: {b['reason']}")
+        for b in res["bad_files"]:
+            click.echo(f"BAD {Path(store) / b['file']}: {b['reason']}")
         if res["duplicate_sample_ids"]:
             click.echo(f"duplicate sample ids: {res['duplicate_sample_ids'][:20]}")
         click.echo(f"{'OK' if res['ok'] else 'FAILED'}: {res['num_samples']} samples, {res['num_shards']} shards checked")

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from cache_format.checksums import record_checksums
 from cache_format.codec import checksum
 from cache_format.errors import CacheFormatError
 from cache_format.layout import STATE_KEY, group_key, read_root_attrs, update_root_attrs
@@ -174,4 +175,5 @@ def finalize_store(path: str | os.PathLike, manifest: Manifest) -> dict[str, Any
             zarr.consolidate_metadata(str(root))
         except Exception as e:  # noqa: BLE001 - consolidation is an optimisation only
             raise CacheFormatError(f"{root}: could not consolidate metadata ({e})") from None
+    record_checksums(root, manifest, finalized=True)  # last: covers every file written above
     return state

@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from cache_format.checksums import check_checksums
 from cache_format.codec import checksum, file_checksum
+from cache_format.errors import CacheFormatError
 from cache_format.layout import shard_file, token_arrays
 from cache_format.reader import StoreReader
 
@@ -65,13 +67,25 @@ def _state(r: StoreReader) -> dict[str, Any]:
 
 
 def verify_store(path: str | os.PathLike) -> dict[str, Any]:
-    """Recompute every shard checksum; check offsets, lengths, finiteness and duplicate ids."""
-    r = StoreReader(path)
+    """Recompute every shard checksum and every file's (checksums.json); check offsets, lengths,
+    finiteness and duplicate ids."""
+    bad_files = [{"file": f, "reason": why} for f, why in check_checksums(path)]
+    try:
+        r = StoreReader(path)
+    except CacheFormatError as e:
+        if not bad_files:
+            raise
+        return {"ok": False, "bad_files": bad_files, "num_samples": 0, "num_shards": 0, "duplicate_sample_ids": [],
+                "bad_shards": [{"shard": "(index)", "reason": str(e)}]}
     m, idx = r.manifest, r.index
     bad: dict[str, str] = {}
     rows_s = m.rows_per_shard
     for gi, key in enumerate(idx.groups):
-        arrays = r._group(key)
+        try:
+            arrays = r._group(key)
+        except CacheFormatError as e:
+            bad[key] = str(e)
+            continue
         if r.finalized:
             bad_index = _check_index_arrays(r.root / key)
             if bad_index:
@@ -107,7 +121,8 @@ def verify_store(path: str | os.PathLike) -> dict[str, Any]:
     ids, counts = np.unique(idx.sample_ids, return_counts=True)
     dups = ids[counts > 1].tolist()
     return {
-        "ok": not bad and not dups,
+        "ok": not bad and not dups and not bad_files,
+        "bad_files": bad_files,
         "num_samples": int(len(idx)),
         "num_shards": sum(len(g) for g in idx.shards.values()),
         "duplicate_sample_ids": dups,

@@ -127,7 +127,7 @@ def update_root_attrs(root: str | os.PathLike, *, consolidated: bool = False, **
     """Atomically merge `attrs` into the root group's attributes.
 
     Consolidated metadata is dropped (unless `consolidated`): a stale consolidated zarr.json
-    silently hides rows appended after it was written (../shared/docs/zarr.md §2).
+    silently hides rows appended after it was written (zarr reads the consolidated copy, not the arrays).
     """
     meta = Path(root) / "zarr.json"
     doc = json.loads(meta.read_text())

@@ -4,7 +4,7 @@ The store stays plain zarr v3; this is only a faster way to read what zarr wrote
 layout.write_raw_shard writes, byte-identical). zarr-python's default read path measured
 1.1 GB/s per process on an H200 host (docs/BENCHMARKS.md); a sample here costs a few preads.
 
-Sharded arrays (index at the end, ../shared/docs/zarr.md §1): a shard file holds its inner chunks
+Sharded arrays (zarr v3 sharding codec, index at the end): a shard file holds its inner chunks
 somewhere in the file and ends with a uint64 (offset, nbytes) pair per chunk in C order plus a
 crc32c; uncompressed chunks are rows in C order, full size even at the array's edge. Unsharded
 1-D arrays are one raw chunk per file.

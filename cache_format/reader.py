@@ -46,7 +46,13 @@ class StoreReader:
     def __init__(self, path: str | os.PathLike) -> None:
         self.root = Path(path)
         self.manifest: Manifest = read_manifest(self.root)
-        self.index, self._follower = load_index(self.root)
+        try:
+            self.index, self._follower = load_index(self.root)
+        except CacheFormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - damaged zarr metadata fails inside zarr in many ways
+            raise CacheFormatError(f"{self.root}: the index cannot be read ({_one_line(e)}); "
+                                   f"python -m cache_format verify {self.root} names the damaged files") from None
         self._tokens = token_arrays(self.manifest)
         self._arrays = [a.name for a in self._tokens]
         self._handles: dict[str, dict[str, zarr.Array]] = {}
@@ -126,8 +132,12 @@ class StoreReader:
             self._handles.clear()
             self._pid = os.getpid()
         if key not in self._handles:
-            g = zarr.open_group(str(self.root / key), mode="r", use_consolidated=False)
-            self._handles[key] = {name: g[name] for name in self._arrays}
+            try:
+                g = zarr.open_group(str(self.root / key), mode="r", use_consolidated=False)
+                self._handles[key] = {name: g[name] for name in self._arrays}
+            except Exception as e:  # noqa: BLE001 - damaged zarr metadata fails inside zarr in many ways
+                raise CacheFormatError(f"{self.root / key}: cannot be opened ({_one_line(e)}); "
+                                       f"python -m cache_format verify {self.root} names the damaged files") from None
         return self._handles[key]
 
     def get(self, sample_id: int) -> Sample:
@@ -188,3 +198,8 @@ class StoreReader:
             bucket=bucket,
             hidden_scale=scale,
         )
+
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__

@@ -29,7 +29,7 @@ __all__ = [
     "parse_layer_ids",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums.json covers every file the shard checksums do not
 DTYPES = ("bfloat16", "fp8_e4m3")
 COMPRESSIONS = ("none", "blosc-zstd1")
 # Layer id i is the output of decoder layer i, which is HF `hidden_states[i + 1]` (index 0 is the

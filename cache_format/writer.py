@@ -2,7 +2,7 @@
 
 Commit protocol (one writer process per GPU rank, each with its own writer id):
 1. A writer owns its arrays `w{id}/b{bucket}/*` outright; no other process ever writes them, so
-   zarr's lost-update race on shared shards cannot happen (../shared/docs/zarr.md §2).
+   zarr's lost-update race on shared shards (each write rewrites the whole shard) cannot happen.
 2. Rows are buffered per bucket until a shard (`rows_per_shard` tokens) is full; the shard is
    then written whole (zarr's LocalStore writes via temp file + rename, so never torn).
 3. Only after the write returns is one line appended to the writer's done-log and fsync'd: the
@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import zarr
 
+from cache_format.checksums import record_checksums
 from cache_format.codec import Fp8Rows, bf16_to_bits, checksum, compressors_for, file_checksum, quantize_fp8
 from cache_format.errors import CacheFormatError, ManifestMismatchError
 from cache_format.layout import (
@@ -75,6 +76,7 @@ def create_store(path: str | os.PathLike, manifest: Manifest, *, overwrite: bool
                 raise ManifestMismatchError(str(root), diffs)
             # Resuming: the store is being written again, so it is no longer final.
             update_root_attrs(root, **{STATE_KEY: {"finalized": False}})
+            record_checksums(root, old, finalized=False)
             return
     elif root.exists() and any(root.iterdir()):
         raise CacheFormatError(f"{root}: exists and is not a draftcache store; choose another path")
@@ -83,6 +85,7 @@ def create_store(path: str | os.PathLike, manifest: Manifest, *, overwrite: bool
         zarr.open_group(str(root), mode="w", attributes={
             MANIFEST_KEY: manifest.to_dict(), STATE_KEY: {"finalized": False}})
         (root / "commits").mkdir(exist_ok=True)
+        record_checksums(root, manifest, finalized=False)
 
 
 def write_frozen(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:

@@ -28,6 +28,7 @@ from cache_format import (
     write_frozen,
     write_prompt_keys,
 )
+from cache_format.checksums import record_checksums
 from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
 from cache_format.schema import default_bucket_bounds
@@ -175,6 +176,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
         write_prompt_keys(cfg.store, [r.sample_id for r in samples], [r.prompt_key for r in samples])
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
+        record_checksums(cfg.store, manifest, finalized=False)  # the files just written
     _barrier(world)
     fp8 = cfg.dtype == "fp8_e4m3"
     ring = HostRing(cfg.queue_batches, cfg.token_budget,

@@ -3,7 +3,7 @@
 Shapes: B batch, T context tokens, Q block query tokens (num_anchors x block_size), H hidden,
 K tapped layers, nh/nkv query/kv heads, hd head dim.
 
-KV injection (../shared/docs/dflash.md §1.1): every layer projects the fused context through its
+KV injection (as in the DFlash paper and its reference drafter): every layer projects the fused context through its
 own k/v projections and prepends it to the block's keys and values; queries come from block tokens
 only, so the context bypasses each layer's q, o, residual and MLP paths. Embedding and lm_head
 are the target's, frozen; they are buffers here and never saved with the drafter.

@@ -1,6 +1,6 @@
 """Greedy DFlash speculative decoding against the real target, and the target-only baseline.
 
-One step (../shared/docs/dflash.md §1.1, §3.1): the drafter drafts B-1 tokens from
+One step (DFlash block drafting): the drafter drafts B-1 tokens from
 [last token, MASK x (B-1)] in one forward over the verified context's tapped states; the target
 verifies the block in one forward; the longest prefix matching the target's greedy choice is
 accepted plus the target's own next token (the bonus). The tapped states of the accepted tokens

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from cache_format import StoreReader
+from cache_format.checksums import CREATION_FILES, check_checksums
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
 from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout, to_device
@@ -160,6 +161,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
                          "pass --follow to train while it is written")
+    damaged = check_checksums(cfg.store, only=CREATION_FILES)  # the frozen weights, prompt keys, manifest
+    if damaged:
+        raise ValueError(f"{Path(cfg.store) / damaged[0][0]}: {damaged[0][1]}; the store is damaged "
+                         f"(python -m cache_format verify {cfg.store} lists every problem)")
     if cfg.loss != "ce" and not reader.manifest.last_hidden:
         raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
     dc, tap_index = drafter_config(cfg, reader)

@@ -1,0 +1,96 @@
+"""Every file of a store is checksummed: damage of each kind (flip, truncate, delete) is named by
+verify; training refuses damaged frozen weights, prompt keys and manifest in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cache_format.checksums import CHECKSUMS_FILE, covered_files
+from cache_format.inspect import verify_store
+from cache_format.reader import StoreReader
+from extract.config import ExtractConfig
+from extract.run import run as extract
+from tests.helpers import tiny_target_dir, write_chats
+
+
+@pytest.fixture(scope="module")
+def sound(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ck")
+    store = d / "s.zarr"
+    extract(ExtractConfig(store=str(store), target=tiny_target_dir(d / "t", "llama"),
+                          data=write_chats(d / "c.jsonl", 12, cyclic=True), layers=(0, 2), max_len=256,
+                          min_supervised=4, token_budget=1024, rows_per_shard=256))
+    return store
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "delete":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    else:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x5A
+        path.write_bytes(bytes(data))
+
+
+KINDS = ["frozen.safetensors", "prompts.safetensors", "tokenizer/tokenizer.json", "commits/w00000.jsonl",
+         "w00000/b*/zarr.json", "w00000/b*/offsets/c/0", "w00000/b*/input_ids/zarr.json"]
+
+
+def test_the_covered_files_are_every_file_but_the_data_shards(sound):
+    m = StoreReader(sound).manifest
+    cov = set(covered_files(sound, m))
+    listed = set(json.loads((sound / CHECKSUMS_FILE).read_text())["files"])
+    assert cov == listed
+    for k in KINDS:
+        assert any(Path(c).match(k) for c in cov), k
+    everything = {p.relative_to(sound).as_posix() for p in sound.rglob("*") if p.is_file()}
+    rest = everything - cov - {"zarr.json", CHECKSUMS_FILE}
+    assert rest and all("/c/" in r and "/offsets/" not in r and "/sample_ids/" not in r for r in rest)  # shards
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_names_each_damaged_file(sound, tmp_path, kind, how):
+    store = tmp_path / "s.zarr"
+    shutil.copytree(sound, store)
+    target = next(p for p in store.glob(kind) if p.is_file())
+    rel = target.relative_to(store).as_posix()
+    _damage(target, how)
+    try:
+        res = verify_store(store)
+    except ValueError as e:  # the store cannot even be opened: the error names the file
+        assert rel.split("/")[0] in str(e) and "\n" not in str(e)
+        return
+    assert not res["ok"]
+    assert {"file": rel, "reason": "missing" if how == "delete" else "checksum mismatch"} in res["bad_files"]
+
+
+def test_a_changed_manifest_and_a_missing_checksums_file_are_named(sound, tmp_path):
+    store = tmp_path / "s.zarr"
+    shutil.copytree(sound, store)
+    doc = json.loads((store / "zarr.json").read_text())
+    doc["attributes"]["draftcache"]["dataset"]["path"] = "elsewhere.jsonl"
+    (store / "zarr.json").write_text(json.dumps(doc))
+    assert {"file": "zarr.json", "reason": "manifest changed since it was written"} in verify_store(store)["bad_files"]
+    (store / CHECKSUMS_FILE).unlink()
+    assert verify_store(store)["bad_files"][0]["file"] == CHECKSUMS_FILE
+
+
+@pytest.mark.parametrize("kind", ["frozen.safetensors", "prompts.safetensors"])
+def test_training_refuses_damaged_frozen_weights_and_prompt_keys(sound, tmp_path, kind):
+    from train.config import TrainConfig
+    from train.trainer import train
+
+    store = tmp_path / "s.zarr"
+    shutil.copytree(sound, store)
+    _damage(store / kind, "flip")
+    with pytest.raises(ValueError) as e:
+        train(TrainConfig(store=str(store), out=str(tmp_path / "r"), num_layers=1, block_size=4, num_anchors=8,
+                          max_steps=2, token_budget=512, workers=0))
+    assert str(store / kind) in str(e.value) and "checksum mismatch" in str(e.value) and "\n" not in str(e.value)
