@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cache_format.checksums import sha256_file
 from cache_format.schema import TargetInfo
 
 __all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "save_hf_dir", "target_sha256",
@@ -60,21 +61,13 @@ def _first_line(e: Exception) -> str:
     return lines[0][:300] if lines else ""
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def target_sha256(spec: str) -> str:
     """The identity of a target path: sha256 of the .gguf file, or of an HF directory's config.json."""
     path = Path(spec or packaged_gguf())
     if path.suffix == ".gguf" and path.is_file():
-        return _sha256_file(path)
+        return sha256_file(path)
     if (path / "config.json").is_file():
-        return _sha256_file(path / "config.json")
+        return sha256_file(path / "config.json")
     raise ValueError(f"target {path} is neither a .gguf file nor an HF directory with config.json")
 
 
@@ -92,9 +85,9 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
     kw = {"local_files_only": True}
     if path.suffix == ".gguf":
         kw["gguf_file"] = path.name
-        where, sha = str(path.parent), _sha256_file(path)
+        where, sha = str(path.parent), sha256_file(path)
     elif (path / "config.json").is_file():
-        where, sha = str(path), _sha256_file(path / "config.json")
+        where, sha = str(path), sha256_file(path / "config.json")
     else:
         raise ValueError(f"target {path} is neither a .gguf file nor an HF directory with config.json")
     try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from cache_format.checksums import sha256_file as file_sha256
 from cache_format.conversations import BadRecord, read_conversations
 
 __all__ = ["BadRecord", "Rendered", "file_sha256", "prompt_key", "read_conversations", "render"]
@@ -35,14 +35,6 @@ def prompt_key(messages: list[dict[str, str]]) -> int:
         head.append([m["role"], m["content"]])
     digest = hashlib.sha256(json.dumps(head, ensure_ascii=False).encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def render(sample_id: int, messages: list[dict[str, str]], tokenizer, *, max_len: int) -> Rendered:

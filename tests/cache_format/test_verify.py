@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cache_format import StoreReader, UnknownFormatVersionError
+from cache_format import FORMAT_VERSION, StoreReader, UnknownFormatVersionError
 from cache_format.__main__ import cli
 from cache_format.inspect import verify_store
 from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
@@ -49,7 +49,7 @@ def test_sound_store_verifies_and_inspects(store):
     assert res["ok"] and res["num_samples"] == 40 and res["duplicate_sample_ids"] == [] and res["bad_shards"] == []
     out = CliRunner().invoke(cli, ["inspect", str(store), "--json"])
     info = json.loads(out.output)
-    assert info["num_samples"] == 40 and info["format_version"] == 1
+    assert info["num_samples"] == 40 and info["format_version"] == FORMAT_VERSION
     assert info["num_tokens"] == sum(sample_length(i) for i in range(40))
     assert sum(b["num_samples"] for b in info["buckets"]) == 40
     assert {"lo", "hi", "num_samples", "num_tokens"} <= set(info["buckets"][0])

@@ -79,3 +79,14 @@ def test_failures_are_recorded_then_completed_by_a_rerun(served, tmp_path):
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log
     assert sorted(_records(out)) == [(i, 0) for i in range(5)]
+
+
+def test_invent_through_the_completions_endpoint(served, tmp_path):
+    """--invent with a server: the chat template's text before a user turn goes to /completions."""
+    res = regenerate(out=str(tmp_path / "inv.jsonl"), engine="openai", base_url=(served.url,), model=served.model_dir,
+                     invent=3, invent_prefix="Write a Python function", temperature=1.0, max_new_tokens=16)
+    assert res.failed == 0 and 0 < res.written <= 3
+    with open(tmp_path / "inv.jsonl", encoding="utf-8") as f:
+        recs = [json.loads(x) for x in f]
+    assert all([m["role"] for m in r["messages"]] == ["user"] for r in recs)
+    assert all(r["messages"][0]["content"].startswith("Write a Python function") for r in recs)
