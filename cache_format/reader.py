@@ -17,10 +17,18 @@ import torch
 import zarr
 from zarr.core.sync import sync
 
-from cache_format.codec import bits_to_bf16, dequantize_fp8
+from cache_format.codec import bits_to_bf16, checksum, dequantize_fp8, file_checksum
 from cache_format.errors import CacheFormatError
 from cache_format.index import load_index
-from cache_format.layout import FROZEN_FILE, PROMPTS_FILE, STATE_KEY, read_manifest, read_root_attrs, token_arrays
+from cache_format.layout import (
+    FROZEN_FILE,
+    PROMPTS_FILE,
+    STATE_KEY,
+    read_manifest,
+    read_root_attrs,
+    shard_file,
+    token_arrays,
+)
 from cache_format.rawread import RawShardReader
 from cache_format.schema import Manifest
 
@@ -43,8 +51,11 @@ class Sample:
 class StoreReader:
     """Random access to the committed samples of a store."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, verify_shards: bool = False) -> None:
+        """verify_shards: check each data shard's checksums the first time this process reads from
+        it (a mismatch is a one-line CacheFormatError naming shard and array)."""
         self.root = Path(path)
+        self.verify_shards, self._verified = verify_shards, set()
         self.manifest: Manifest = read_manifest(self.root)
         try:
             self.index, self._follower = load_index(self.root)
@@ -150,6 +161,8 @@ class StoreReader:
         caller that dequantizes on its GPU: on a CPU, fp8 -> float32 is most of a training worker's time.
         """
         rows = [self.index.locate(int(s)) for s in sample_ids]
+        if self.verify_shards:
+            self._verify_rows(rows)
         if self._raw is not None:
             return [self._read_raw(r, fp8_bits) for r in rows]
         jobs = []
@@ -168,6 +181,20 @@ class StoreReader:
             got = dict(zip(self._arrays, flat[i * k:(i + 1) * k]))
             out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r]), fp8_bits))
         return out
+
+    def _verify_rows(self, rows: list[int]) -> None:
+        rs = self.manifest.rows_per_shard
+        for r in rows:
+            key = self.index.groups[self.index.group[r]]
+            start, n = int(self.index.start[r]), int(self.index.length[r])
+            for shard in range(start // rs, (start + n - 1) // rs + 1):
+                if (key, shard) in self._verified:
+                    continue
+                why = check_shard(self, key, shard)
+                if why:
+                    raise CacheFormatError(f"{self.root / key} shard {shard}: {why}; the store is damaged "
+                                           f"(python -m cache_format verify {self.root})")
+                self._verified.add((key, shard))
 
     def _read_raw(self, r: int, fp8_bits: bool) -> Sample:
         key = self.index.groups[self.index.group[r]]
@@ -203,3 +230,41 @@ class StoreReader:
 def _one_line(e: Exception) -> str:
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+def check_shard(reader: StoreReader, key: str, shard: int) -> str | None:
+    """Why shard `shard` of group `key` does not match its commit-log checksums (None: it does).
+
+    The crc32c of every array's committed rows; for tail shards also of the stored files (the
+    padding past the committed rows is in no row checksum); hidden states must be finite.
+    """
+    m = reader.manifest
+    entry = reader.index.shards.get(key, {}).get(shard)
+    if entry is None:
+        return "not in any commit log"
+    lo = shard * m.rows_per_shard
+    try:
+        for a in reader._tokens:
+            want = entry.get("file_crc32c", {}).get(a.name)
+            if want is not None and file_checksum(shard_file(reader.root, key, a, shard)) != want:
+                return f"{a.name} file checksum mismatch"
+        for name, z in reader._group(key).items():
+            data = np.asarray(z[lo: lo + entry["rows"]])
+            if checksum(data) != entry["crc32c"][name]:
+                return f"{name} checksum mismatch"
+            if name in ("hidden", "last_hidden", "hidden_scale") and not finite_rows(data, name, m.dtype):
+                return f"{name} has NaN or Inf"
+    except CacheFormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt shard can fail to decode in many ways
+        return f"unreadable ({_one_line(e)})"
+    return None
+
+
+def finite_rows(data: np.ndarray, name: str, dtype: str) -> bool:
+    """Whether stored rows decode to finite values (bf16 bits, fp8 bits or float32 scales)."""
+    if name == "hidden_scale":
+        return bool(np.isfinite(data).all())
+    if name == "hidden" and dtype == "fp8_e4m3":
+        return not bool(((data & 0x7F) == 0x7F).any())  # e4m3's only non-finite codes are S.1111.111
+    return not bool(((data & 0x7F80) == 0x7F80).any())  # a bf16 exponent of all ones: Inf or NaN

@@ -50,6 +50,8 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out.")
 @click.option("--follow", is_flag=True, help="Train while stage one is still writing the store.")
 @click.option("--workers", default=2, show_default=True, help="DataLoader workers per rank.")
+@click.option("--verify-shards", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Check each data shard's checksums on first read (auto: on with --follow).")
 @click.option("--attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True)
 @click.option("--compile", is_flag=True,
               help="torch.compile each drafter layer (fuses norms, RoPE, SwiGLU) and the fused loss chunks.")
@@ -73,10 +75,19 @@ def main(**kw) -> None:
     try:
         res = train(TrainConfig(**kw))
     except (CacheFormatError, ValueError, OSError) as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {_one_line(e)}", err=True)
         sys.exit(2)
     stop = f" (stopped: {res['patience']} evaluations without a new best)" if res["stopped_early"] else ""
     click.echo(f"trained {res['steps']} steps into {res['run']}{stop}")
+
+
+def _one_line(e: Exception) -> str:
+    """The error's own message: a DataLoader worker's error arrives wrapped in its traceback text,
+    whose last line is "module.ErrorType: message"."""
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    if len(lines) > 1 and "Traceback" in str(e):
+        return lines[-1].split(": ", 1)[-1]
+    return " ".join(lines)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,10 @@ class TrainConfig:
     """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
     workers: int = 2
     """DataLoader worker processes per rank (0 = read in the training process)."""
+    verify_shards: str = "auto"
+    """Check each data shard's checksums the first time a reader process reads it: on, off, or
+    auto (on with follow, where the store is still being written; otherwise `verify` is the check).
+    A mismatch stops training with one line naming shard and array."""
     attention: str = "auto"
     """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
     compile: bool = False
@@ -112,12 +116,19 @@ class TrainConfig:
             raise ValueError(f"loss_backward must be one of {LOSS_BACKWARDS}, got {self.loss_backward!r}")
         if self.grad_reduce not in GRAD_REDUCES:
             raise ValueError(f"grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}")
+        if self.verify_shards not in ("auto", "on", "off"):
+            raise ValueError(f"verify_shards must be auto, on or off, got {self.verify_shards!r}")
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention must be auto, flex or sdpa, got {self.attention!r}")
 
     @property
     def effective_kl_weight(self) -> float:
         return {"ce": 0.0, "kl": 1.0, "mix": self.kl_weight}[self.loss]
+
+    @property
+    def check_shards(self) -> bool:
+        """Whether readers check each shard on first read (verify_shards, auto resolved)."""
+        return self.verify_shards == "on" or (self.verify_shards == "auto" and self.follow)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -91,8 +91,8 @@ class BatchDataset(torch.utils.data.Dataset):
     def __init__(self, store: str, micro: list[list[int]], keys: list[int], *, tap_index: list[int],
                  num_stored_taps: int,
                  num_anchors: int, block_size: int, mask_token_id: int, seed: int, epoch: int,
-                 with_teacher: bool) -> None:
-        self.store, self.micro, self.keys = store, micro, keys
+                 with_teacher: bool, verify_shards: bool = False) -> None:
+        self.store, self.micro, self.keys, self.verify_shards = store, micro, keys, verify_shards
         self.kw = dict(tap_index=tap_index, num_stored_taps=num_stored_taps, num_anchors=num_anchors, block_size=block_size,
                        mask_token_id=mask_token_id, with_teacher=with_teacher)
         self.seed, self.epoch = seed, epoch
@@ -103,7 +103,7 @@ class BatchDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if self._reader is None:
-            self._reader = StoreReader(self.store)
+            self._reader = StoreReader(self.store, verify_shards=self.verify_shards)
         # a fixed mix of (seed, epoch, key): Python's hash() of ints is stable across processes
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.keys[i])
         # an fp8 store's states stay fp8 until to_device: half the bytes to pin and copy, and the

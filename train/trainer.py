@@ -258,7 +258,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         val_ds = BatchDataset(cfg.store, val_micro, list(range(len(val_micro))), tap_index=tap_index,
                               num_stored_taps=len(reader.manifest.layer_ids), num_anchors=cfg.num_anchors,
                               block_size=cfg.block_size, mask_token_id=dc.mask_token_id, seed=cfg.seed, epoch=-1,
-                              with_teacher=cfg.effective_kl_weight > 0)
+                              with_teacher=cfg.effective_kl_weight > 0, verify_shards=cfg.check_shards)
 
     best_ck = best_checkpoint(cfg.out) if cfg.resume else None
     best = json.loads((best_ck / "state.json").read_text()) if best_ck else {"step": step, "val_sim_tau": float("-inf")}
@@ -299,7 +299,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                 for i in range(len(micro))]
         ds = BatchDataset(cfg.store, micro, keys, tap_index=tap_index, num_stored_taps=len(reader.manifest.layer_ids),
                           num_anchors=cfg.num_anchors, block_size=cfg.block_size, mask_token_id=dc.mask_token_id,
-                          seed=cfg.seed, epoch=epoch, with_teacher=cfg.effective_kl_weight > 0)
+                          seed=cfg.seed, epoch=epoch, with_teacher=cfg.effective_kl_weight > 0,
+                          verify_shards=cfg.check_shards)
         dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,
                                          pin_memory=device.type == "cuda", prefetch_factor=4 if cfg.workers else None,
                                          persistent_workers=False)

@@ -4,6 +4,7 @@ verify; training refuses damaged frozen weights, prompt keys and manifest in one
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -94,3 +95,27 @@ def test_training_refuses_damaged_frozen_weights_and_prompt_keys(sound, tmp_path
         train(TrainConfig(store=str(store), out=str(tmp_path / "r"), num_layers=1, block_size=4, num_anchors=8,
                           max_steps=2, token_budget=512, workers=0))
     assert str(store / kind) in str(e.value) and "checksum mismatch" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_training_checks_each_shard_on_first_read(sound, tmp_path):
+    """--verify-shards on: a flipped byte in a data shard stops training in one line naming the shard
+    (through a DataLoader worker too); off: the same store trains (only verify would catch it)."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "s.zarr"
+    shutil.copytree(sound, store)
+    shard = next(p for p in sorted(store.glob("w*/b*/hidden/c/*/*")) if p.stat().st_size > 64)
+    _damage(shard, "flip")
+    common = ["--store", str(store), "--num-layers", "1", "--block-size", "4", "--num-anchors", "8",
+              "--max-steps", "3", "--token-budget", "512", "--workers", "1"]
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "train", *common, "--out", str(tmp_path / "on"), "--verify-shards", "on"],
+                       capture_output=True, text=True, cwd=root, timeout=300)
+    errors = [x[x.index("error:"):] for x in re.split(r"[\r\n]", p.stderr) if "error:" in x]  # \r: the progress bar
+    assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
+    key = shard.relative_to(store).parts[:2]
+    assert f"{store / key[0] / key[1]} shard" in errors[0] and "hidden" in errors[0] and "mismatch" in errors[0]
+    p = subprocess.run([sys.executable, "-m", "train", *common, "--out", str(tmp_path / "off"), "--verify-shards", "off"],
+                       capture_output=True, text=True, cwd=root, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
