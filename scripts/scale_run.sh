@@ -20,9 +20,8 @@ launch() { if [ "$NG" -gt 1 ]; then torchrun --standalone --nproc-per-node "$NG"
 case $stage in
 extract)
   gunzip -c "$DATA" > "$W/train.jsonl"
-  # ~24M tokens (estimated from its ~90M characters): fp8 taps without the final hidden state (CE
-  # training does not read it) are about
-  # 2.9 KB a token, ~70 GB in /dev/shm; with it ~4 KB (~97 GB)
+  # ~24M tokens (estimated from its ~90M characters): fp8 taps without the final hidden state
+  # (CE training does not read it) are about 2.9 KB a token, ~70 GB in /dev/shm; with it ~97 GB
   launch -m extract --store "$STORE" --data "$W/train.jsonl" "${TARGET[@]}" --max-len 1024 \
     --token-budget 65536 --dtype fp8_e4m3 --no-last-hidden --json 2>&1 | grep -v "tok/s]" | tail -n 20
   python3 -m cache_format inspect "$STORE" | head -n 30;;
