@@ -64,7 +64,8 @@ def drafter_config(shape: str, layers: int) -> DrafterConfig:
                          head_dim=hd, vocab_size=v, num_taps=5, block_size=16, mask_token_id=v - 1, rope_theta=1e6)
 
 
-def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: int, count: int) -> BatchDataset:
+def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: int, count: int,
+                  verify_shards: bool = False) -> BatchDataset:
     """`count` micro-batches of epoch 0's plan (cycled if it has fewer), as the trainer's DataLoader reads them."""
     r = StoreReader(store)
     steps = plan_epoch(r.sample_ids, r.lengths(), r.buckets(), token_budget=token_budget, seed=0, epoch=0,
@@ -73,7 +74,7 @@ def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: 
     micro = (micro * (count // max(1, len(micro)) + 1))[:count]
     return BatchDataset(store, micro, list(range(len(micro))), tap_index=[0, 1, 2, 3, 4], num_stored_taps=5,
                         num_anchors=anchors, block_size=16, mask_token_id=dc.mask_token_id, seed=0, epoch=0,
-                        with_teacher=False)
+                        with_teacher=False, verify_shards=verify_shards)
 
 
 def flops_per_step(dc: DrafterConfig, batch: dict, anchors_per_seq: int) -> float:

@@ -35,20 +35,26 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--items", type=int, default=5, help="micro-batches timed (after one untimed)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--verify-shards", action="store_true", help="the reader checks each shard on first read "
+                    "(python -m train --verify-shards on): the first micro-batch pays for its shards")
     a = ap.parse_args()
     torch.set_num_threads(1)  # as in a DataLoader worker
     t0 = time.perf_counter()
     make_store(a.store, a.shape, a.samples, a.seq, dtype=a.dtype)
     built = time.perf_counter() - t0
     dc = drafter_config(a.shape, 5)
-    ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=512, count=a.items + 1)
-    ds[0]  # the reader opens, the first shard pages are touched
+    ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=512, count=a.items + 1,
+                       verify_shards=a.verify_shards)
+    t0 = time.perf_counter()
+    ds[0]  # the reader opens, the first shard pages are touched (and checked, with --verify-shards)
+    first = time.perf_counter() - t0
     t0 = time.perf_counter()
     for i in range(1, a.items + 1):
         ds[i]
     per = (time.perf_counter() - t0) / a.items
     print({"shape": a.shape, "dtype": a.dtype, "tokens_per_micro_batch": a.token_budget, "s_per_micro_batch": per,
-           "store_built_s": built}, flush=True)
+           "s_first_micro_batch": first, "verify_shards": a.verify_shards, "store_bytes": sum(
+               p.stat().st_size for p in Path(a.store).rglob("*") if p.is_file()), "store_built_s": built}, flush=True)
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()
