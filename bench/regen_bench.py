@@ -22,36 +22,20 @@ import torch
 
 def _prompts(tok, n: int) -> list[list[int]]:
     from cache_format.prompts import train_prompts
+    from extract.regenerate import chat_ids
 
     convs = train_prompts()
-    convs = (convs * (1 + n // len(convs)))[:n]
-    out = []
-    for c in convs:
-        ids = tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    return [chat_ids(tok, c) for c in (convs * (1 + n // len(convs)))[:n]]
 
 
 def run_hf(model, tok, prompts, *, max_new: int, batch: int, temperature: float, eos: list[int]) -> list[list[int]]:
-    dev = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    """Today's path: `extract.regenerate --engine hf`'s own generator, over every prompt once."""
+    from extract.regenerate import RegenConfig, hf_tokens
+
+    cfg = RegenConfig(out="-", temperature=temperature, max_new_tokens=max_new)
     outs: list[list[int]] = [[] for _ in prompts]
-    kw = dict(do_sample=True, temperature=temperature, top_p=0.95, top_k=50) if temperature > 0 else dict(do_sample=False)
-    for b in range(0, len(order), batch):
-        idx = order[b: b + batch]
-        T = max(len(prompts[i]) for i in idx)
-        ids = torch.full((len(idx), T), tok.pad_token_id or 0, dtype=torch.long)
-        att = torch.zeros_like(ids)
-        for j, i in enumerate(idx):  # left padding
-            ids[j, T - len(prompts[i]):] = torch.tensor(prompts[i])
-            att[j, T - len(prompts[i]):] = 1
-        with torch.no_grad():
-            gen = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), max_new_tokens=max_new,
-                                 pad_token_id=tok.pad_token_id or 0, eos_token_id=eos, **kw)
-        for j, i in enumerate(idx):
-            row = gen[j, T:].tolist()
-            cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
-            outs[i] = row[:cut]
+    for (i, _), toks in hf_tokens(cfg, model, tok, prompts, 1, set(), eos, batch, next(model.parameters()).device):
+        outs[i] = toks
     return outs
 
 
@@ -136,9 +120,9 @@ def main() -> None:
 
         t = load_target("", device=dev)
         model, tok = t.model, t.tokenizer
-        ge = model.generation_config.eos_token_id
-        eos = sorted({tok.eos_token_id, *([ge] if isinstance(ge, int) else ge or [])} - {None})
-        prompts = _prompts(tok, a.prompts)
+        from extract.regenerate import eos_ids
+
+        eos, prompts = eos_ids(tok, model), _prompts(tok, a.prompts)
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, device {dev}, dtype {model.dtype}", flush=True)
     rows, outs = [], {}
     for mode in a.modes.split(","):

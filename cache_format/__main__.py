@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from cache_format.errors import CacheFormatError
+from cache_format.errors import CacheFormatError, brief
 from cache_format.inspect import inspect_store, sample_norms, verify_store
 
 
@@ -96,8 +96,7 @@ def show(store: str, sample_id: int) -> None:
         try:
             decode = AutoTokenizer.from_pretrained(str(tok_dir)).decode
         except Exception as e:  # noqa: BLE001 - tokenizers raise many types on a damaged file
-            _fail(CacheFormatError(f"{tok_dir}: damaged tokenizer ({type(e).__name__}: "
-                                   f"{str(e).splitlines()[0][:200] if str(e) else ''})"))
+            _fail(CacheFormatError(f"{tok_dir}: damaged tokenizer ({brief(e)})"))
     spans, cur, cur_m = [], [], mask[0] if mask else 0
     for t, mk in zip(ids, mask):
         if mk != cur_m:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["CacheFormatError", "ManifestMismatchError", "UnknownFormatVersionError"]
+__all__ = ["CacheFormatError", "ManifestMismatchError", "UnknownFormatVersionError", "brief"]
+
+
+def brief(e: BaseException) -> str:
+    """An exception from deep inside a library as a short, one-line detail for our own message:
+    its type and the first non-blank line of its text (zarr, safetensors and transformers often
+    raise multi-line or empty messages)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
 class CacheFormatError(ValueError):

@@ -18,7 +18,7 @@ import zarr
 from zarr.core.sync import sync
 
 from cache_format.codec import bits_to_bf16, checksum, dequantize_fp8, file_checksum
-from cache_format.errors import CacheFormatError
+from cache_format.errors import CacheFormatError, brief
 from cache_format.index import load_index
 from cache_format.layout import (
     FROZEN_FILE,
@@ -62,7 +62,7 @@ class StoreReader:
         except CacheFormatError:
             raise
         except Exception as e:  # noqa: BLE001 - damaged zarr metadata fails inside zarr in many ways
-            raise CacheFormatError(f"{self.root}: the index cannot be read ({_one_line(e)}); "
+            raise CacheFormatError(f"{self.root}: the index cannot be read ({brief(e)}); "
                                    f"python -m cache_format verify {self.root} names the damaged files") from None
         self._tokens = token_arrays(self.manifest)
         self._arrays = [a.name for a in self._tokens]
@@ -133,7 +133,7 @@ class StoreReader:
             parts = load_file(str(path))
             parts.setdefault("lm_head.weight", parts["embed_tokens.weight"])  # tied embeddings
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
-            raise CacheFormatError(f"{path}: damaged ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            raise CacheFormatError(f"{path}: damaged ({brief(e)}); "
                                    "extract the store again") from None
         return parts
 
@@ -147,7 +147,7 @@ class StoreReader:
                 g = zarr.open_group(str(self.root / key), mode="r", use_consolidated=False)
                 self._handles[key] = {name: g[name] for name in self._arrays}
             except Exception as e:  # noqa: BLE001 - damaged zarr metadata fails inside zarr in many ways
-                raise CacheFormatError(f"{self.root / key}: cannot be opened ({_one_line(e)}); "
+                raise CacheFormatError(f"{self.root / key}: cannot be opened ({brief(e)}); "
                                        f"python -m cache_format verify {self.root} names the damaged files") from None
         return self._handles[key]
 
@@ -227,10 +227,6 @@ class StoreReader:
         )
 
 
-def _one_line(e: Exception) -> str:
-    text = " ".join(str(e).split())
-    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
-
 
 def check_shard(reader: StoreReader, key: str, shard: int) -> str | None:
     """Why shard `shard` of group `key` does not match its commit-log checksums (None: it does).
@@ -257,7 +253,7 @@ def check_shard(reader: StoreReader, key: str, shard: int) -> str | None:
     except CacheFormatError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt shard can fail to decode in many ways
-        return f"unreadable ({_one_line(e)})"
+        return f"unreadable ({brief(e)})"
     return None
 
 

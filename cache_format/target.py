@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from cache_format.checksums import sha256_file
+from cache_format.errors import brief
 from cache_format.schema import TargetInfo
 
 __all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "save_hf_dir", "target_sha256",
@@ -56,11 +57,6 @@ def tokenizer_sha256(tokenizer) -> str:
     return h.hexdigest()
 
 
-def _first_line(e: Exception) -> str:
-    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
-    return lines[0][:300] if lines else ""
-
-
 def target_sha256(spec: str) -> str:
     """The identity of a target path: sha256 of the .gguf file, or of an HF directory's config.json."""
     path = Path(spec or packaged_gguf())
@@ -82,22 +78,18 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
     path = Path(spec or packaged_gguf())
     if not path.exists():
         raise ValueError(f"target {path} does not exist")
-    kw = {"local_files_only": True}
-    if path.suffix == ".gguf":
-        kw["gguf_file"] = path.name
-        where, sha = str(path.parent), sha256_file(path)
-    elif (path / "config.json").is_file():
-        where, sha = str(path), sha256_file(path / "config.json")
-    else:
-        raise ValueError(f"target {path} is neither a .gguf file nor an HF directory with config.json")
+    sha = target_sha256(str(path))  # also refuses what is neither a .gguf file nor an HF directory
+    gguf = path.suffix == ".gguf" and path.is_file()
+    kw = {"local_files_only": True, **({"gguf_file": path.name} if gguf else {})}
+    where = str(path.parent if gguf else path)
     try:
         tok = AutoTokenizer.from_pretrained(where, **kw)
     except Exception as e:  # noqa: BLE001 - transformers raises many types, often with multi-line text
-        raise ValueError(f"target {path}: cannot load its tokenizer ({type(e).__name__}: {_first_line(e)})") from None
+        raise ValueError(f"target {path}: cannot load its tokenizer ({brief(e)})") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).to(device).eval()
     except (OSError, ValueError, KeyError, RuntimeError) as e:
-        raise ValueError(f"target {path}: cannot load the model ({type(e).__name__}: {_first_line(e)})") from None
+        raise ValueError(f"target {path}: cannot load the model ({brief(e)})") from None
     model.requires_grad_(False)
     cfg = model.config
     info = TargetInfo(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from extract.plan import token_budget_batches
 from extract.sampling import choose_next
 
 __all__ = ["Request", "StaticEngine", "supports"]
@@ -240,16 +241,12 @@ class StaticEngine:
                 take: list[Request] = []
                 while queue and len(take) < len(free) and len(queue[0].prompt) + self.max_new <= self.capacity:
                     take.append(queue.popleft())
-                start = 0
-                while start < len(take):  # prefill groups within the token budget (sorted: little padding)
-                    n = 1
-                    while start + n < len(take) and (n + 1) * len(take[start + n].prompt) <= self.prefill_tokens:
-                        n += 1
-                    group, rows_g = take[start: start + n], free[start: start + n]
+                # prefill groups within the token budget (take is sorted by length: little padding)
+                for idx in token_budget_batches(range(len(take)), [len(r.prompt) for r in take], self.prefill_tokens):
+                    group, rows_g = [take[k] for k in idx], [free[k] for k in idx]
                     self._prefill(rows_g, group)
                     self.stats["prefills"] += 1
                     owner.update(zip(rows_g, group))
-                    start += n
                 if self.graphed and self.graph is None:
                     self._step()  # capture
                 for _ in range(self.sync_every):

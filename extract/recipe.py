@@ -23,6 +23,7 @@ import math
 import time
 from pathlib import Path
 
+from cache_format.layout import atomic_write_bytes
 from extract.regen_config import RegenConfig
 
 __all__ = ["OPENINGS", "SHARES", "build_recipe"]
@@ -54,10 +55,10 @@ def _read_users(path: Path) -> list[str]:
         return [json.loads(line)["messages"][0]["content"] for line in f if line.strip()]
 
 
-def _marker(path: Path, info: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info))
-    tmp.replace(path)
+def _write_users(path: Path, conversations: list[list[dict]]) -> None:
+    """A prompt file, whole or not at all (several shards may write the same one)."""
+    lines = "".join(json.dumps({"messages": m}, ensure_ascii=False) + "\n" for m in conversations)
+    atomic_write_bytes(path, lines.encode("utf-8"))
 
 
 def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
@@ -96,7 +97,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
                 regenerate(RegenConfig(out=str(d / "parts" / f"invent_{dom}{j}.{i}.jsonl"), invent=per,
                                        invent_prefix=opening, temperature=1.0, max_new_tokens=128,
                                        seed=seed * 1000 + j, **base), loaded=loaded)
-    _marker(d / "parts" / f"invent.{i}.done", {"shard": [i, n]})
+    atomic_write_bytes(d / "parts" / f"invent.{i}.done", json.dumps({"shard": [i, n]}).encode())
     _wait_for([d / "parts" / f"invent.{s}.done" for s in range(n)])
 
     # 2. select (the same on every shard: a pure function of the files)
@@ -113,24 +114,17 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
         seen += kept[dom]
         path = d / f"{dom}_prompts.jsonl"
         if i == 0 or not path.exists():
-            tmp = path.with_suffix(f".{i}.tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                for p in kept[dom]:
-                    f.write(json.dumps({"messages": [{"role": "user", "content": p}]}, ensure_ascii=False) + "\n")
-            tmp.replace(path)
+            _write_users(path, [[{"role": "user", "content": p}] for p in kept[dom]])
 
     # 3. answer: this shard's share of every prompt file
     packaged_path = d / "packaged_math_prompts.jsonl"
-    with open(packaged_path.with_suffix(f".{i}.tmp"), "w", encoding="utf-8") as f:
-        for m in packaged:
-            f.write(json.dumps({"messages": m}, ensure_ascii=False) + "\n")
-    packaged_path.with_suffix(f".{i}.tmp").replace(packaged_path)
+    _write_users(packaged_path, packaged)
     jobs = [("math_packaged_greedy", packaged_path, 1, 0.0), ("math_packaged_sampled", packaged_path, MATH_SAMPLED, 0.7)]
     jobs += [(f"{dom}_invented", d / f"{dom}_prompts.jsonl", 1, 0.0) for dom in OPENINGS]
     for tag, prompts, k, temp in jobs:
         regenerate(RegenConfig(out=str(d / "parts" / f"{tag}.{i}.jsonl"), prompts=str(prompts), num_samples=k,
                                temperature=temp, max_new_tokens=max_new, seed=seed + 1, **base), loaded=loaded)
-    _marker(d / "parts" / f"answer.{i}.done", {"shard": [i, n]})
+    atomic_write_bytes(d / "parts" / f"answer.{i}.done", json.dumps({"shard": [i, n]}).encode())
     if i != 0:
         return {}
 

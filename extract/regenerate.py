@@ -37,7 +37,7 @@ import torch
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 
-__all__ = ["RegenConfig", "RegenSummary", "pre_query_text", "regenerate"]
+__all__ = ["RegenConfig", "RegenSummary", "chat_ids", "eos_ids", "hf_tokens", "pre_query_text", "regenerate"]
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
     if cfg.invent:
         prompt_ids = [tok(opening, add_special_tokens=False)["input_ids"]] * cfg.invent
     else:
-        prompt_ids = [_chat_ids(tok, c) for c in convs]
+        prompt_ids = [chat_ids(tok, c) for c in convs]
     engine = cfg.engine
     if engine in ("auto", "static"):
         from extract.engine import supports
@@ -98,13 +98,14 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
         if why and engine == "static":
             raise ValueError(f"--engine static: {why}; use --engine hf")
         engine = "hf" if why else "static"
-    eos = _eos_ids(tok, model)
+    eos = eos_ids(tok, model)
     batch = cfg.batch_size or (1024 if device.type == "cuda" else 16)
     if engine == "static":
         todo = _todo(cfg, [len(p) for p in prompt_ids], num_samples, done)
         results = _static_results(cfg, model, tok, prompt_ids, todo, eos, batch)
     else:
-        results = _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device)
+        results = ((job, tok.decode(toks, skip_special_tokens=True), len(toks), 1)
+                   for job, toks in hf_tokens(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device))
     return _write(cfg, out, convs, results)
 
 
@@ -115,12 +116,14 @@ def _todo(cfg: RegenConfig, lengths: list[int], num_samples: int, done: set) -> 
     return [j for r, j in enumerate(jobs) if r % n == i and j not in done]
 
 
-def _chat_ids(tok, conv: list[dict]) -> list[int]:
+def chat_ids(tok, conv: list[dict]) -> list[int]:
+    """Token ids of a conversation rendered for the assistant's reply (the chat template's prompt)."""
     ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _eos_ids(tok, model) -> list[int]:
+def eos_ids(tok, model) -> list[int]:
+    """Ids that end a reply: the tokenizer's eos and the generation config's."""
     ge = getattr(model.generation_config, "eos_token_id", None)
     ids = {tok.eos_token_id, *([ge] if isinstance(ge, int) else ge or [])}
     return sorted(i for i in ids if isinstance(i, int) and i >= 0)
@@ -137,9 +140,10 @@ def _static_results(cfg, model, tok, prompt_ids, todo, eos, batch) -> Iterator[t
         yield job, tok.decode(toks, skip_special_tokens=True), len(toks), 1
 
 
-def _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device):
-    """HF generate on left-padded batches (shortest prompts first), each seeded by its global index:
-    shard (i, n) runs batches i, i+n, ...; a partly written batch is generated whole."""
+def hf_tokens(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device) -> Iterator[tuple[tuple[int, int], list[int]]]:
+    """((prompt, sample), new token ids up to and with the first eos) by HF generate on left-padded
+    batches (shortest prompts first), each seeded by its global index: shard (i, n) runs batches
+    i, i+n, ...; a partly written batch is generated whole, pairs in `done` are not yielded."""
     jobs = generation_jobs([len(p) for p in prompt_ids], num_samples)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     kw = (dict(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.temperature > 0
@@ -162,7 +166,7 @@ def _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, devi
         for job, row in zip(group, out[:, T:].tolist()):
             if job not in done:
                 cut = next((n + 1 for n, t in enumerate(row) if t in eos), len(row))
-                yield job, tok.decode(row[:cut], skip_special_tokens=True), cut, 1
+                yield job, row[:cut]
 
 
 def _openai_results(cfg, convs, opening, todo):
