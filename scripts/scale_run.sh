@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The data-at-scale run on one machine with N GPUs (made for nvidia-h200-x2), stage by stage; every
-# stage resumes when rerun, so a run spans several device calls while the machine stays warm.
+# The data-at-scale run on one machine with N GPUs, stage by stage; every stage resumes when rerun,
+# so a run spans several device calls while the machine stays warm.
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints
 #   bash scripts/scale_run.sh eval      # float32 evaluation, 16 held-out prompts per domain, lossless check
 #   bash scripts/scale_run.sh pack      # metrics, eval.json and log tails into $OUT
 # Settings (environment): DATA (default: docs/results/recipe-default-100k/train.jsonl.gz), W (work
-# dir, default /root/w), STORE (/dev/shm/scale.zarr), EPOCHS (6), LR (6e-4), TLIM (seconds this
-# call may train, default 480), GGUF (default: the packaged model, found by importlib); for a CPU
-# dry run of the stages: VAL, WORKERS, EVAL_LIMIT, TOKENS (1000, 6, 48, 16384).
+# dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the samples to extract,
+# default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 3600), LR (6e-4),
+# TLIM (seconds this call may train: train's --time-limit, default 480), GGUF (default: the packaged
+# model, found by importlib); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS (1000, 6, 48, 16384).
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail
 stage=$1
@@ -21,19 +22,32 @@ mkdir -p "$W"
 L=(python3); [ "$NG" -gt 1 ] && L=(torchrun --standalone --nproc-per-node "$NG")  # one process per GPU
 case $stage in
 extract)
-  gunzip -c "$DATA" > "$W/train.jsonl"
-  # ~24M tokens (estimated from its ~90M characters): fp8 taps without the final hidden state
-  # (CE training does not read it) are about 2.9 KB a token, ~70 GB in /dev/shm; with it ~97 GB
+  # ~28.9M tokens (counted with the SmolLM2 template, capped at 1,024): fp8 taps without the final
+  # hidden state (CE training does not read it) are about 3.0 KB a token, ~87 GB; where /dev/shm or
+  # memory holds less, keep every sample whose index falls in the first FRACTION of each hundred
+  # (the file is grouped by domain, so every domain keeps the same share)
+  frac=${FRACTION:-$(python3 - "$STORE" <<'PY'
+import os, sys
+st = os.statvfs(os.path.dirname(sys.argv[1]) or ".")
+avail = st.f_bavail * st.f_frsize - 2 * 2**30
+mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - 24 * 2**30  # training's own memory
+print(f"{max(0.01, min(1.0, min(avail, mem) / (28.9e6 * 3000))):.2f}")
+PY
+)}
+  echo "extracting a share of $frac of the samples ($(df -h --output=avail "$(dirname "$STORE")" | tail -n 1) free)"
+  gunzip -c "$DATA" | awk -v f="$frac" '(NR - 1) % 100 < f * 100' > "$W/train.jsonl"
+  wc -l < "$W/train.jsonl"
   "${L[@]}" -m extract --store "$STORE" --data "$W/train.jsonl" "${TARGET[@]}" --max-len 1024 \
     --token-budget 65536 --dtype fp8_e4m3 --no-last-hidden --json 2>&1 | grep -v "tok/s]" | tail -n 20
   python3 -m cache_format inspect "$STORE" | head -n 30;;
 train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
-  timeout "${TLIM:-480}" "${L[@]}" -m train --store "$STORE" --out "$RUN" --num-layers 5 --epochs "${EPOCHS:-6}" \
-    --lr "${LR:-6e-4}" --token-budget "${TOKENS:-16384}" --log-every 20 --checkpoint-every 200 \
-    --val-samples "${VAL:-1000}" --val-every 200 --workers "${WORKERS:-6}" $([ "$GPU" = 1 ] && echo --compile) \
+  timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --store "$STORE" --out "$RUN" --num-layers 5 \
+    --epochs 20 --max-steps "${STEPS:-3600}" --time-limit "${TLIM:-480}" \
+    --lr "${LR:-6e-4}" --token-budget "${TOKENS:-16384}" --log-every 20 --checkpoint-every 400 \
+    --val-samples "${VAL:-1000}" --val-every 400 --workers "${WORKERS:-6}" $([ "$GPU" = 1 ] && echo --compile) \
     --loss ce "${resume[@]}" > "$W/train.log" 2>&1
-  echo "train exit $? (124: the call's time limit; rerun to resume)"
+  echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
   grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | cut -c1-300;;
 eval)

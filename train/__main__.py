@@ -37,6 +37,8 @@ def _layers(_ctx, _param, value: str) -> tuple[int, ...]:
 @click.option("--intermediate-size", default=0, help="Drafter MLP width [default: the target's].")
 @click.option("--epochs", default=6, show_default=True)
 @click.option("--max-steps", default=0, help="Stop after N optimizer steps (0 = all epochs).")
+@click.option("--time-limit", default=0.0, help="Seconds this process may train (0 = no limit); then it "
+              "checkpoints at the next --log-every step and exits 0: rerun with --resume to continue.")
 @click.option("--token-budget", default=8192, show_default=True, help="Context tokens per micro-batch.")
 @click.option("--grad-accum", default=1, show_default=True)
 @click.option("--lr", default=6e-4, show_default=True)
@@ -78,6 +80,8 @@ def main(**kw) -> None:
         click.echo(f"error: {_one_line(e)}", err=True)
         sys.exit(2)
     stop = f" (stopped: {res['patience']} evaluations without a new best)" if res["stopped_early"] else ""
+    if res["stopped_by_time"]:
+        stop = f" (stopped by --time-limit {kw['time_limit']:g} s: rerun with --resume to continue)"
     click.echo(f"trained {res['steps']} steps into {res['run']}{stop}")
 
 

@@ -41,6 +41,9 @@ class TrainConfig:
     epochs: int = 6
     max_steps: int = 0
     """Stop after this many optimizer steps (0 = run all epochs)."""
+    time_limit: float = 0.0
+    """Seconds this process may train (0 = no limit): past it, the run stops at the next --log-every
+    step with a checkpoint and exits 0; --resume continues it (for job schedulers' time limits)."""
     token_budget: int = 8192
     """Context tokens per micro-batch (batch size x longest sample)."""
     grad_accum: int = 1
@@ -110,6 +113,8 @@ class TrainConfig:
             raise ValueError(f"patience must be >= 0 and needs val_samples > 0, got {self.patience}")
         if self.val_samples and self.follow:
             raise ValueError("val_samples needs the whole store to choose from: not with follow")
+        if self.max_steps < 0 or self.time_limit < 0:
+            raise ValueError(f"max_steps and time_limit must be >= 0, got {self.max_steps}, {self.time_limit}")
         if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
             raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
         if self.loss_backward not in LOSS_BACKWARDS:
@@ -137,7 +142,7 @@ class TrainConfig:
 
 
 # Fields that may change on --resume without changing what is trained.
-RESUME_FREE = ("resume", "max_steps", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
+RESUME_FREE = ("resume", "max_steps", "time_limit", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
                "patience",
                "loss_chunk", "loss_backward", "grad_reduce",
                "follow", "compile", "out")

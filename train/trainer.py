@@ -144,6 +144,7 @@ def _check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
+    t_start = time.time()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
@@ -326,6 +327,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     epoch = start_epoch
     position = (start_epoch, skip)
+    out_of_time = False
     done = step >= total
     ahead = None  # the next epoch's loader, started AHEAD_STEPS before this epoch ends
     while not done and epoch < cfg.epochs:
@@ -371,6 +373,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             bar.update(1)
             if step % cfg.log_every == 0 or step == total:
                 log_row(epoch)
+                if cfg.time_limit and step < total and _past(t_start + cfg.time_limit, device, world):
+                    total, out_of_time = step, True  # the checkpoint after the loop is this step's
             position = (epoch, s_idx + 1)
             t_pause = time.time()
             if val_ds is not None and step % cfg.val_every == 0:
@@ -397,4 +401,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
         plot_metrics(cfg.out)
     return {"steps": step, "run": cfg.out, "samples_last_epoch": len(reader), "finalized": reader.finalized,
-            "stopped_early": bool(cfg.patience) and stale >= cfg.patience, "patience": cfg.patience}
+            "stopped_early": bool(cfg.patience) and stale >= cfg.patience, "patience": cfg.patience,
+            "stopped_by_time": out_of_time}
+
+
+def _past(deadline: float, device: torch.device, world: int) -> bool:
+    """Whether any rank is past `deadline` (every rank must stop at the same step)."""
+    late = torch.tensor([float(time.time() > deadline)], device=device)
+    if world > 1:
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())

@@ -83,6 +83,17 @@ def test_resume_continues_identically(store, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
 
+def test_time_limit_stops_at_a_logged_step_with_a_checkpoint_and_resume_finishes(store, tmp_path):
+    out = tmp_path / "t"
+    res = train(_cfg(store, out, max_steps=20, time_limit=1e-6))  # past its limit at the first row
+    assert res["stopped_by_time"] and res["steps"] == 5
+    _, _, saved = load_checkpoint(latest_checkpoint(out))
+    assert saved["step"] == 5
+    res = train(_cfg(store, out, max_steps=20, resume=True))
+    assert not res["stopped_by_time"] and res["steps"] == 20
+    assert [r["step"] for r in _metrics(out)] == [5, 10, 15, 20]
+
+
 def test_refusals(store, tmp_path):
     with pytest.raises(ValueError, match=r"layer ids \[7\] are not stored"):
         train(_cfg(store, tmp_path / "a", layers=(0, 7)))
