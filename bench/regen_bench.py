@@ -150,10 +150,11 @@ def main() -> None:
             outs[(path, mode)] = o
             row = {"path": path, "mode": mode, "seconds": round(s, 2), "new_tokens": n, "tok_per_s": round(n / s, 1),
                    "ended_on_eos": sum(1 for x in o if x and x[-1] in eos)}
-            if mode == "greedy" and path != "hf" and ("hf", "greedy") in outs:
-                row["agreement_with_hf"] = agreement(o, outs[("hf", "greedy")])
             rows.append(row)
             print(json.dumps(row), flush=True)
+    for row in rows:  # after all runs: the paths may come in any order
+        if row["mode"] == "greedy" and row["path"] != "hf" and "error" not in row and ("hf", "greedy") in outs:
+            row["agreement_with_hf"] = agreement(outs[(row["path"], "greedy")], outs[("hf", "greedy")])
     res = {"prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "device": torch.cuda.get_device_name()
            if dev.type == "cuda" else "cpu", "dtype": str(model.dtype), "random_weights": a.random_weights,
            "args": vars(a), "rows": rows}

@@ -266,7 +266,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     best_score = best["val_sim_tau"]
     stale = max(0, step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
 
-    def validate() -> None:
+    def validate(epoch: int) -> None:
         nonlocal best_score, stale
         row = evaluate_holdout(model, val_ds, device, world=world, block_size=cfg.block_size, gamma=gamma,
                                kl_weight=cfg.effective_kl_weight, use_flex=use_flex, loss_chunk=cfg.loss_chunk)
@@ -378,7 +378,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             position = (epoch, s_idx + 1)
             t_pause = time.time()
             if val_ds is not None and step % cfg.val_every == 0:
-                validate()
+                validate(epoch)
                 if cfg.patience and stale >= cfg.patience:
                     total = step  # stop here: the checkpoint below and the final one are this step's
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
@@ -396,7 +396,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if n_loss:  # steps since the last row (a run ended by its epochs between --log-every steps)
         log_row(epoch - 1)
     if val_ds is not None and step % cfg.val_every:
-        validate()
+        validate(epoch - 1)  # the epoch of the last step (the loop counted one past it)
     checkpoint(*position)
     if rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
         plot_metrics(cfg.out)
