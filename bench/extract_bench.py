@@ -114,7 +114,8 @@ def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.devi
     shutil.rmtree(a.store, ignore_errors=True)
     m = Manifest(target=TargetInfo(name=f"random-{a.shape}", sha256="-", num_layers=n_layers, hidden_size=h,
                                    vocab_size=model.config.vocab_size),
-                 tokenizer_sha256="-", layer_ids=tuple(layer_ids), last_hidden=a.last_hidden,
+                 tokenizer_sha256="-", layer_ids=tuple(layer_ids), mask_token_id=model.config.vocab_size - 1,
+                 last_hidden=a.last_hidden,
                  dataset=DatasetInfo(path="-", sha256="-", num_records=len(batches) * a.batch), max_len=a.seq,
                  bucket_bounds=(a.seq,), dtype=a.dtype, rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
     create_store(a.store, m)

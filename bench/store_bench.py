@@ -24,7 +24,7 @@ from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, Target
 def manifest(width: int, taps: int, rows_per_shard: int, compression: str = "none") -> Manifest:
     h = width // taps
     return Manifest(target=TargetInfo(name="synthetic", sha256="-", num_layers=36, hidden_size=h, vocab_size=151936),
-                    tokenizer_sha256="-", layer_ids=tuple(range(1, 1 + taps)), last_hidden=False,
+                    tokenizer_sha256="-", layer_ids=tuple(range(1, 1 + taps)), mask_token_id=151935, last_hidden=False,
                     dataset=DatasetInfo(path="-", sha256="-", num_records=0), max_len=4096,
                     bucket_bounds=(512, 1024, 2048, 4096), rows_per_shard=rows_per_shard, rows_per_chunk=32,
                     compression=compression)

@@ -40,7 +40,7 @@ def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bflo
           "rope_theta": 1e6}
     m = Manifest(target=TargetInfo(name=f"random-{shape}", sha256="-", num_layers=36, hidden_size=h, vocab_size=v,
                                    config=tc),
-                 tokenizer_sha256="-", layer_ids=(1, 9, 17, 25, 33), last_hidden=False,
+                 tokenizer_sha256="-", layer_ids=(1, 9, 17, 25, 33), mask_token_id=v - 1, last_hidden=False,
                  dataset=DatasetInfo(path="-", sha256="-", num_records=samples), max_len=seq, bucket_bounds=(seq,),
                  rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32, dtype=dtype)
     create_store(path, m)

@@ -41,6 +41,7 @@ def inspect(store: str, as_json: bool) -> None:
                f"V={m['target']['vocab_size']}")
     click.echo(f"layers       {m['layer_ids']}  last_hidden={m['last_hidden']}  dtype={m['dtype']}  "
                f"compression={m['compression']}")
+    click.echo(f"mask token   {m['mask_token_id']} {m['mask_token'] or '(a vocabulary padding row)'}")
     prompts = "" if info["num_prompts"] is None else f"  prompts {info['num_prompts']:,}"
     click.echo(f"samples      {info['num_samples']:,}  tokens {info['num_tokens']:,}{prompts}")
     click.echo(f"bytes/token  {info['bytes_per_token']:,.0f} on disk, {info['logical_bytes_per_token']:,} logical "

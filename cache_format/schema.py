@@ -25,15 +25,16 @@ __all__ = [
     "TargetInfo",
     "bucket_of",
     "default_bucket_bounds",
+    "last_layer_refusal",
     "manifest_differences",
     "parse_layer_ids",
 ]
 
-FORMAT_VERSION = 2  # 2: checksums.json covers every file the shard checksums do not
+FORMAT_VERSION = 3  # 2: checksums.json covers every file the shard checksums do not; 3: the mask token
 DTYPES = ("bfloat16", "fp8_e4m3")
 COMPRESSIONS = ("none", "blosc-zstd1")
 # Layer id i is the output of decoder layer i, which is HF `hidden_states[i + 1]` (index 0 is the
-# embedding output). vLLM counts the other way round (+1): see train/README.md.
+# embedding output). vLLM counts the other way round (+1): see train/export.py.
 LAYER_CONVENTION = "output of decoder layer i = HF hidden_states[i+1]"
 
 
@@ -78,7 +79,10 @@ class Manifest:
     tokenizer_sha256: str
     """sha256 over the tokenizer vocabulary and chat template."""
     layer_ids: tuple[int, ...]
-    """Tapped layers, in stored order (see LAYER_CONVENTION)."""
+    """Tapped layers, in stored order (see LAYER_CONVENTION); never the last layer (last_layer_refusal says why)."""
+    mask_token_id: int
+    """Embedding row a drafter's block uses for tokens not yet known: one the target never emits
+    (cache_format.target.choose_mask_token), because servers drop drafted tokens equal to it."""
     last_hidden: bool
     """Whether `last_hidden` [T, H] (the final hidden state) is stored."""
     dataset: DatasetInfo
@@ -99,6 +103,8 @@ class Manifest:
     """`last_hidden` is taken after the target's final norm (lm_head input)."""
     layer_convention: str = LAYER_CONVENTION
     """How layer ids map to model outputs."""
+    mask_token: str = ""
+    """The mask token's text ("" for a vocabulary padding row, which has none)."""
     extract_config: dict[str, Any] = field(default_factory=dict)
     """The extraction config that wrote the store."""
     format_version: int = FORMAT_VERSION
@@ -115,6 +121,10 @@ class Manifest:
         for lid in self.layer_ids:
             if not 0 <= lid < self.target.num_layers:
                 raise ValueError(f"layer id {lid} out of range for a {self.target.num_layers}-layer target")
+            if lid == self.target.num_layers - 1:
+                raise ValueError(last_layer_refusal(self.target.num_layers))
+        if not 0 <= self.mask_token_id < self.target.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.target.vocab_size - 1})")
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise ValueError(f"layer_ids has duplicates: {list(self.layer_ids)}")
         if self.dtype not in DTYPES:
@@ -180,6 +190,13 @@ class Manifest:
         except (TypeError, KeyError, ValueError) as e:  # a damaged, unknown or missing field
             raise CacheFormatError(f"manifest is damaged or does not match format version {version}: "
                                    f"{type(e).__name__}: {e}") from None
+
+
+def last_layer_refusal(num_layers: int) -> str:
+    """Why the last decoder layer cannot be tapped (one line)."""
+    return (f"layer id {num_layers - 1} is the target's last layer: HF (hidden_states[-1]), SGLang and the DFlash "
+            f"reference take its output after the final norm, a tap would store it before; tap ids up to "
+            f"{num_layers - 2} (--last-hidden stores the post-norm final state)")
 
 
 def parse_layer_ids(text: str) -> tuple[int, ...]:

@@ -26,8 +26,8 @@ from cache_format.checksums import sha256_file
 from cache_format.errors import brief
 from cache_format.schema import TargetInfo
 
-__all__ = ["LoadedTarget", "capture", "decoder_parts", "load_target", "packaged_gguf", "save_hf_dir", "target_sha256",
-           "tokenizer_sha256"]
+__all__ = ["LoadedTarget", "capture", "choose_mask_token", "decoder_parts", "load_target", "mask_token_of",
+           "packaged_gguf", "save_hf_dir", "target_sha256", "tokenizer_sha256"]
 
 
 def packaged_gguf() -> str:
@@ -55,6 +55,38 @@ def tokenizer_sha256(tokenizer) -> str:
     h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update((getattr(tokenizer, "chat_template", None) or "").encode())
     return h.hexdigest()
+
+
+def choose_mask_token(*, vocab_size: int, tokenizer_size: int, special: dict[int, str],
+                      avoid: set[int]) -> tuple[int, str]:
+    """(id, text) of the drafter's MASK: an embedding row the target never emits.
+
+    The first vocabulary padding row when the embedding has more rows than the tokenizer has tokens
+    (the tokenizer never produces it; DFlash's published Qwen3 drafters use 151669, Qwen3's first);
+    else the highest-id special token outside `avoid` (eos, bos, pad, unk and the chat template's
+    own tokens). The drafter embeds MASK through the target's embedding row as it is (untrained
+    for a padding row): training learns around it, and servers embed it the same way.
+    """
+    if vocab_size > tokenizer_size:
+        return tokenizer_size, ""
+    free = sorted((i, t) for i, t in special.items() if i not in avoid and 0 <= i < vocab_size)
+    if not free:
+        raise ValueError(f"no token the target never emits: the tokenizer fills all {vocab_size} embedding rows "
+                         "and has no unused special token; pass train --mask-token-id")
+    return free[-1]
+
+
+def mask_token_of(tokenizer, vocab_size: int) -> tuple[int, str]:
+    """choose_mask_token for a loaded tokenizer: its added tokens are the candidates."""
+    special = {int(i): str(t.content if hasattr(t, "content") else t)
+               for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    avoid = {i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id,
+                         tokenizer.unk_token_id) if isinstance(i, int)}
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
+                                             {"role": "assistant", "content": "c"}], tokenize=True)
+        avoid |= set(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return choose_mask_token(vocab_size=vocab_size, tokenizer_size=len(tokenizer), special=special, avoid=avoid)
 
 
 def target_sha256(spec: str) -> str:

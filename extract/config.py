@@ -38,7 +38,9 @@ class ExtractConfig:
     rows_per_shard: int = 0
     """Tokens per shard; 0 = about 64 MiB of hidden states per shard."""
     queue_batches: int = 4
-    """Slots of the host ring that forward batches wait in for the writers; bounds host RAM (see --help)."""
+    """Slots of the host ring that forward batches wait in for the writers. The ring takes
+    queue_batches x token_budget x bytes/token of host RAM (4 x 16384 x 40 KiB = 2.6 GB for Qwen3-8B
+    with 5 taps), plus one shard buffer per length bucket and one per writer."""
     writer: str = "thread"
     """Where the store is written: "thread" (threads of the GPU process) or "process" (writer
     processes reading the ring from shared memory)."""

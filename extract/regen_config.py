@@ -63,8 +63,8 @@ class RegenConfig:
             raise ValueError("--out is required")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if not 0 <= self.shard[0] < self.shard[1]:
-            raise ValueError(f"shard {self.shard[0]}/{self.shard[1]}: need 0 <= index < count")
+        if len(self.shard) != 2 or not 0 <= self.shard[0] < self.shard[1]:
+            raise ValueError(f"shard {'/'.join(map(str, self.shard))}: expected i/n with 0 <= i < n, e.g. 0/2")
         if self.num_samples < 1 or self.max_new_tokens < 1 or self.sync_every < 1:
             raise ValueError("--num-samples, --max-new-tokens and --sync-every must be >= 1")
         if self.limit < 0 or self.batch_size < 0 or self.invent < 0 or self.top_k < 0:

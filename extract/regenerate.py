@@ -23,6 +23,7 @@ builds the default math + code + chat dataset (extract/recipe.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ from pathlib import Path
 import click
 import torch
 
+from cache_format.cli import config_command
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 
@@ -281,54 +283,25 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def _split_shard(shard: str) -> tuple[int, int]:
-    try:
-        i, n = (int(x) for x in shard.split("/"))
-    except ValueError:
-        raise click.ClickException(f"--shard {shard!r}: expected i/n, e.g. 0/2") from None
-    return i, n
-
-
-@click.command()
-@click.option("--out", required=True, help="Output JSONL (appended to; resumable); with --recipe, a directory.")
-@click.option("--recipe", default="", help="'default': build the math + code + chat dataset into --out DIR.")
-@click.option("--target", default="", help="HF directory or .gguf; default: the packaged SmolLM2 GGUF.")
-@click.option("--prompts", default="default", help="'default' (packaged training prompts) or a JSONL.")
-@click.option("--limit", default=0, help="Use only the first N prompts (0 = all).")
-@click.option("--num-samples", default=1, help="Responses per prompt.")
-@click.option("--temperature", default=0.0, help="0 = greedy; otherwise sampled with top-k and top-p.")
-@click.option("--top-p", default=0.95, show_default=True)
-@click.option("--top-k", default=50, show_default=True)
-@click.option("--max-new-tokens", default=256, show_default=True)
-@click.option("--batch-size", default=0, help="Rows decoded together; 0 = 1024 on a GPU, 16 on a CPU.")
-@click.option("--seed", default=0)
-@click.option("--shard", default="0/1", help="i/n: serve only requests j with j % n == i (one process per GPU).")
-@click.option("--invent", default=0, help="Write N user prompts made up by the target instead of answering prompts.")
-@click.option("--invent-prefix", default="", help="Words every invented prompt starts with (steers the domain).")
-@click.option("--engine", default="auto", type=click.Choice(["auto", "static", "hf", "openai"]), show_default=True)
-@click.option("--base-url", default="", help="OpenAI-compatible server URL(s), comma-separated (…/v1).")
-@click.option("--model", default="", help="Model name sent to the servers.")
-@click.option("--concurrency", default=8, show_default=True, help="Requests in flight over all servers.")
-@click.option("--request-timeout", default=300.0, show_default=True, help="Seconds per HTTP request.")
-@click.option("--retries", default=4, show_default=True, help="Retries of a failed request (backoff 1, 2, 4 ... s).")
-@click.option("--sync-every", default=8, show_default=True, help="Static engine: decode steps between refills.")
-@click.option("--recipe-samples", default=100_000, show_default=True, help="--recipe: samples in all.")
-def main(shard: str, base_url: str, recipe: str, recipe_samples: int, **kw) -> None:
+@config_command(RegenConfig, seps={"shard": "/"}, extra=(
+    click.Option(["--recipe"], default="", help="'default': build the math + code + chat dataset into --out DIR."),
+    click.Option(["--recipe-samples"], default=100_000, show_default=True, help="--recipe: samples in all."),
+))
+def main(cfg: RegenConfig, recipe: str, recipe_samples: int) -> None:
     """Generate target responses for prompts into a training JSONL."""
-    kw["shard"] = _split_shard(shard)
-    kw["base_url"] = tuple(u for u in base_url.split(",") if u)
     try:
         if recipe:
             from extract.recipe import build_recipe
 
-            build_recipe(recipe, out_dir=kw.pop("out"), samples=recipe_samples, **kw)
+            kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}
+            build_recipe(recipe, out_dir=cfg.out, samples=recipe_samples, **kw)
             return
-        res = regenerate(RegenConfig(**kw))
+        res = regenerate(cfg)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"wrote {res.written} conversations to {kw['out']}")
+    click.echo(f"wrote {res.written} conversations to {cfg.out}")
     if res.failed:  # nothing is dropped silently: the errors file lists them, a rerun retries them
-        click.echo(f"error: {res.failed} requests failed; see {kw['out']}.errors.jsonl and rerun to retry them", err=True)
+        click.echo(f"error: {res.failed} requests failed; see {cfg.out}.errors.jsonl and rerun to retry them", err=True)
         sys.exit(3)
 
 

@@ -31,8 +31,8 @@ from cache_format import (
 from cache_format.checksums import record_checksums
 from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
-from cache_format.schema import default_bucket_bounds
-from cache_format.target import frozen_parts, load_target
+from cache_format.schema import default_bucket_bounds, last_layer_refusal
+from cache_format.target import frozen_parts, load_target, mask_token_of
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
 from extract.pipeline import ring_fields, run_batches
@@ -151,6 +151,8 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     for lid in layer_ids:
         if not 0 <= lid < n_layers:
             raise ValueError(f"layer id {lid} out of range: target {target.info.name} has {n_layers} layers (0..{n_layers - 1})")
+        if lid == n_layers - 1:
+            raise ValueError(last_layer_refusal(n_layers))
     data = cfg.data or _default_data(cfg, world)
     skipped: Counter = Counter()
     samples = _render_all(cfg, data, target.tokenizer, skipped)
@@ -162,8 +164,10 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     # ------------------------------------------------------------------ the store
     h = target.info.hidden_size
     rows_per_shard = cfg.rows_per_shard or max(32, (64 << 20) // (2 * h * len(layer_ids)) // 32 * 32)
+    mask_id, mask_text = mask_token_of(target.tokenizer, target.info.vocab_size)
     manifest = Manifest(
         target=target.info, tokenizer_sha256=target.tokenizer_sha256, layer_ids=tuple(layer_ids),
+        mask_token_id=mask_id, mask_token=mask_text,
         last_hidden=cfg.last_hidden, dataset=DatasetInfo(path=str(data), sha256=file_sha256(data),
                                                          num_records=len(samples)),
         max_len=cfg.max_len, bucket_bounds=default_bucket_bounds(cfg.max_len), dtype=cfg.dtype,

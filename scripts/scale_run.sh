@@ -5,6 +5,7 @@
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints
 #   bash scripts/scale_run.sh eval      # float32 evaluation, 16 held-out prompts per domain, lossless check
 #   bash scripts/scale_run.sh pack      # metrics, eval.json and log tails into $OUT
+# The options are those of configs/smollm2-h200/ (extract.toml, train.toml); the environment overrides a few.
 # Settings (environment): DATA (default: docs/results/recipe-default-100k/train.jsonl.gz), W (work
 # dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the samples to extract,
 # default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 3600), LR (6e-4),
@@ -37,16 +38,15 @@ PY
   echo "extracting a share of $frac of the samples ($(df -h --output=avail "$(dirname "$STORE")" | tail -n 1) free)"
   gunzip -c "$DATA" | awk -v f="$frac" '(NR - 1) % 100 < f * 100' > "$W/train.jsonl"
   wc -l < "$W/train.jsonl"
-  "${L[@]}" -m extract --store "$STORE" --data "$W/train.jsonl" "${TARGET[@]}" --max-len 1024 \
-    --token-budget 65536 --dtype fp8_e4m3 --no-last-hidden --json 2>&1 | grep -v "tok/s]" | tail -n 20
+  "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "$STORE" --data "$W/train.jsonl" \
+    "${TARGET[@]}" --json 2>&1 | grep -v "tok/s]" | tail -n 20
   python3 -m cache_format inspect "$STORE" | head -n 30;;
 train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
-  timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --store "$STORE" --out "$RUN" --num-layers 5 \
-    --epochs 20 --max-steps "${STEPS:-3600}" --time-limit "${TLIM:-480}" \
-    --lr "${LR:-6e-4}" --token-budget "${TOKENS:-16384}" --log-every 20 --checkpoint-every 400 \
-    --val-samples "${VAL:-1000}" --val-every 400 --workers "${WORKERS:-6}" $([ "$GPU" = 1 ] && echo --compile) \
-    --loss ce "${resume[@]}" > "$W/train.log" 2>&1
+  timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
+    --store "$STORE" --out "$RUN" --max-steps "${STEPS:-3600}" --time-limit "${TLIM:-480}" --lr "${LR:-6e-4}" \
+    --token-budget "${TOKENS:-16384}" --val-samples "${VAL:-1000}" --workers "${WORKERS:-6}" \
+    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" > "$W/train.log" 2>&1
   echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
   grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | cut -c1-300;;

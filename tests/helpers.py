@@ -12,7 +12,7 @@ H, N_LAYERS, VOCAB = 8, 4, 100
 def make_manifest(**kw) -> Manifest:
     args = dict(
         target=TargetInfo(name="tiny", sha256="0" * 64, num_layers=N_LAYERS, hidden_size=H, vocab_size=VOCAB),
-        tokenizer_sha256="tok", layer_ids=(0, 2), last_hidden=True,
+        tokenizer_sha256="tok", layer_ids=(0, 2), mask_token_id=VOCAB - 1, last_hidden=True,
         dataset=DatasetInfo(path="data.jsonl", sha256="d" * 64, num_records=1000),
         max_len=128, bucket_bounds=(16, 48, 128), rows_per_shard=32, rows_per_chunk=8,
     )

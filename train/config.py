@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +36,12 @@ class TrainConfig:
     kl_weight: float = 0.5
     """Weight of KL in mix."""
     mask_token_id: int = -1
-    """Embedding row used as MASK; -1 = the last row (an existing row: the embedding is never resized)."""
+    """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first vocabulary
+    padding row, else an unused special token; see cache_format.target.choose_mask_token)."""
     intermediate_size: int = 0
     """Drafter MLP width; 0 = the target's."""
     epochs: int = 6
+    """Passes over the store (the cosine spans them unless max_steps is set)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0 = run all epochs)."""
     time_limit: float = 0.0
@@ -49,22 +52,31 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per rank per optimizer step."""
     lr: float = 6e-4
+    """Peak AdamW learning rate (cosine decay after the warmup)."""
     warmup: float = 0.04
     """Fraction of steps of linear warmup before cosine decay."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     clip: float = 1.0
+    """Gradient-norm clip."""
     seed: int = 0
+    """Seed of the weights' init, the anchors and the batch order."""
     log_every: int = 10
     """Metrics line every N steps."""
     checkpoint_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
     keep_checkpoints: int = 3
+    """step-N checkpoints kept (older ones are deleted; best-N is kept apart)."""
     resume: bool = False
     """Continue from the newest checkpoint in out/checkpoints."""
     follow: bool = False
     """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
     workers: int = 2
     """DataLoader worker processes per rank (0 = read in the training process)."""
+    tensorboard: bool = False
+    """Also write the metric rows as TensorBoard event files under out/tensorboard."""
+    wandb: bool = False
+    """Also log the metric rows to Weights & Biases (needs the wandb package)."""
     verify_shards: str = "auto"
     """Check each data shard's checksums the first time a reader process reads it: on, off, or
     auto (on with follow, where the store is still being written; otherwise `verify` is the check).
@@ -121,6 +133,9 @@ class TrainConfig:
             raise ValueError(f"loss_backward must be one of {LOSS_BACKWARDS}, got {self.loss_backward!r}")
         if self.grad_reduce not in GRAD_REDUCES:
             raise ValueError(f"grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}")
+        for flag, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            if getattr(self, flag) and importlib.util.find_spec(module) is None:
+                raise ValueError(f"--{flag} needs the {module} package: pip install {module}")
         if self.verify_shards not in ("auto", "on", "off"):
             raise ValueError(f"verify_shards must be auto, on or off, got {self.verify_shards!r}")
         if self.attention not in ("auto", "flex", "sdpa"):
@@ -142,7 +157,8 @@ class TrainConfig:
 
 
 # Fields that may change on --resume without changing what is trained.
-RESUME_FREE = ("resume", "max_steps", "time_limit", "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
+RESUME_FREE = ("resume", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
+               "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
                "patience",
                "loss_chunk", "loss_backward", "grad_reduce",
                "follow", "compile", "out")

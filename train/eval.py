@@ -1,18 +1,22 @@
 """python -m train.eval: acceptance length τ of a trained drafter against the real target.
 
     python -m train.eval --run runs/demo --limit 8 --max-new-tokens 64 --json
+    python -m train.eval --run runs/demo --export exports/demo     # the served file beside the checkpoint
 
-For every prompt: target-only greedy decoding, DFlash speculative decoding (same code path and
-KV cache) and transformers' prompt-lookup decoding. Reports τ (tokens per target forward, bonus
-included), the acceptance histogram, speedup, and `lossless`: every DFlash output identical to the
-target's own greedy output. On CPU everything runs in float32; on GPU in bfloat16, where argmax
-ties can flip with batch shape, so the check is exact only in float32 (the JSON says which).
+For every prompt: target-only greedy decoding, DFlash speculative decoding and transformers'
+prompt-lookup decoding. Speculative decoding is the export's own `spec_generate`
+(train/modeling_dflash.py): the checkpoint is evaluated through that class in float32, the
+export as a user loads it (AutoModel, trust_remote_code, bf16 weights). Reports τ (tokens per
+target forward, bonus included), the acceptance histogram, speedup, and `lossless`: every DFlash
+output identical to the target's own greedy output. The target runs in --dtype (float32 by
+default): in bfloat16 argmax ties flip with batch shape, so the check is exact only in float32.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -21,8 +25,8 @@ import click
 import torch
 
 from train.checkpoint import load_checkpoint, resolve_checkpoint
-from train.model import DFlashDrafter, DrafterConfig
-from train.spec_decode import dflash_generate, target_generate
+from train.export import hf_drafter
+from train.spec_decode import target_generate
 
 __all__ = ["evaluate"]
 
@@ -50,71 +54,101 @@ def _count_forwards(model):
     return box, h
 
 
-def evaluate(*, run: str, checkpoint: str = "", prompts: str = "default", limit: int = 0,
+def _drafters(run: str, checkpoint: str, export: str) -> tuple[dict[str, Any], dict | None, str]:
+    """{"checkpoint": model, "export": model} as asked, the checkpoint's state, and its path."""
+    out: dict[str, Any] = {}
+    state, ck = None, ""
+    if run:
+        ck = str(resolve_checkpoint(run, checkpoint))
+        weights, _, state = load_checkpoint(ck)
+        out["checkpoint"] = hf_drafter(state, weights)
+    if export:
+        from transformers import AutoModel
+
+        if not (Path(export) / "modeling_dflash.py").is_file():
+            raise ValueError(f"{export}: not a draftcache export (no modeling_dflash.py)")
+        # exactly as a user loads it: the export's own modeling file, its bf16 weights
+        out["export"] = AutoModel.from_pretrained(export, trust_remote_code=True, dtype=torch.bfloat16)
+    return out, state, ck
+
+
+def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: str = "default", limit: int = 0,
              max_new_tokens: int = 128, target: str = "", dtype: str = "float32") -> dict[str, Any]:
+    """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
+    with both, the export's figures sit under "export" beside the checkpoint's."""
     from cache_format.target import load_target
 
-    ck = resolve_checkpoint(run, checkpoint)
-    weights, _, state = load_checkpoint(ck)
+    if not run and not export:
+        raise ValueError("give --run (a training run), --export (an exported directory) or both")
+    drafters, state, ck = _drafters(run, checkpoint, export)
+    if not (target or state):
+        raise ValueError("--export without --run needs --target (the export does not name its target)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tgt = load_target(target or state["target"], device=device, dtype=getattr(torch, dtype))
     model, tok = tgt.model, tgt.tokenizer
-    dc = DrafterConfig(**state["drafter"])
-    drafter = DFlashDrafter(dc, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    drafter.load_state_dict(weights, strict=False)
-    drafter.to(device=device, dtype=model.dtype).eval()
-    layer_ids = list(state["layer_ids"])
-    eos = {t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0}
+    for name, d in drafters.items():  # the export keeps its bf16 weights, as served
+        d.to(device=device, dtype=model.dtype if name == "checkpoint" else torch.bfloat16).eval()
+    eos = sorted(t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0)
 
-    rows, hist = [], Counter()
-    base_s = spec_s = pl_s = 0.0
-    base_fw = spec_fw = pl_fw = new_tokens = pl_tokens = 0
-    lossless = True
+    rows: dict[str, list] = {name: [] for name in drafters}
+    hist = {name: Counter() for name in drafters}
+    secs = dict.fromkeys(drafters, 0.0)
+    base_s = pl_s = 0.0
+    base_fw = pl_fw = pl_tokens = 0
     for name, msgs in _prompts(prompts, limit):
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=eos)
-        spec = dflash_generate(model, drafter, layer_ids, ids, max_new_tokens=max_new_tokens, eos=eos)
-        same = spec.tokens == base.tokens
-        lossless &= same
-        hist.update(spec.accepted)
+        base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=set(eos))
+        base_s, base_fw = base_s + base.seconds, base_fw + base.target_forwards
+        for which, drafter in drafters.items():
+            t0 = time.perf_counter()
+            spec = drafter.spec_generate(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
+                                         eos_token_id=eos)
+            secs[which] += time.perf_counter() - t0
+            new = spec["sequences"][0, len(ids):].tolist()
+            hist[which].update(spec["accepted"])
+            rows[which].append({"prompt": name, "new_tokens": len(new), "target_forwards": spec["target_forwards"],
+                                "tau": len(new) / spec["target_forwards"], "lossless": new == base.tokens})
         box, h = _count_forwards(model)
         with torch.inference_mode():
-            import time
-
             t0 = time.perf_counter()
             pl = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,
-                                prompt_lookup_num_tokens=10, pad_token_id=tok.pad_token_id or 0,
-                                eos_token_id=sorted(eos))
+                                prompt_lookup_num_tokens=10, pad_token_id=tok.pad_token_id or 0, eos_token_id=eos)
             pl_s += time.perf_counter() - t0
         h.remove()
         pl_fw += box["n"]
         pl_tokens += pl.shape[1] - len(ids)
-        base_s, spec_s = base_s + base.seconds, spec_s + spec.seconds
-        base_fw, spec_fw, new_tokens = base_fw + base.target_forwards, spec_fw + spec.target_forwards, new_tokens + len(spec.tokens)
-        rows.append({"prompt": name, "new_tokens": len(spec.tokens), "target_forwards": spec.target_forwards,
-                     "tau": len(spec.tokens) / spec.target_forwards, "lossless": same,
-                     "prompt_lookup_new_tokens": pl.shape[1] - len(ids), "prompt_lookup_target_forwards": box["n"]})
-    n = len(rows)
-    return {
-        "tau": new_tokens / max(1, spec_fw),
-        "lossless": lossless,
-        "lossless_dtype": str(model.dtype).replace("torch.", ""),
-        "num_prompts": n,
-        "new_tokens": new_tokens,
-        "target_forwards": spec_fw,
-        "baseline_target_forwards": base_fw,
-        "tokens_per_s": new_tokens / max(spec_s, 1e-9),
-        "baseline_tokens_per_s": new_tokens / max(base_s, 1e-9),
-        "speedup": base_s / max(spec_s, 1e-9),
-        "baseline_prompt_lookup_tau": pl_tokens / max(1, pl_fw),
-        "baseline_prompt_lookup_speedup": (base_s / max(pl_s, 1e-9)) * (pl_tokens / max(1, new_tokens)),
-        "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
-        **_by_source(rows),
-        "device": str(device),
-        "checkpoint": str(ck),
-        "prompts": rows,
-    }
+        for r in rows.values():
+            r[-1].update(prompt_lookup_new_tokens=pl.shape[1] - len(ids), prompt_lookup_target_forwards=box["n"])
+    res = {}
+    for which in drafters:
+        r = rows[which]
+        new_tokens, spec_fw = sum(x["new_tokens"] for x in r), sum(x["target_forwards"] for x in r)
+        res[which] = {
+            "tau": new_tokens / max(1, spec_fw),
+            "lossless": all(x["lossless"] for x in r),
+            "lossless_dtype": str(model.dtype).replace("torch.", ""),
+            "drafter_dtype": str(next(drafters[which].parameters()).dtype).replace("torch.", ""),
+            "num_prompts": len(r),
+            "new_tokens": new_tokens,
+            "target_forwards": spec_fw,
+            "baseline_target_forwards": base_fw,
+            "tokens_per_s": new_tokens / max(secs[which], 1e-9),
+            "baseline_tokens_per_s": new_tokens / max(base_s, 1e-9),
+            "speedup": base_s / max(secs[which], 1e-9),
+            "baseline_prompt_lookup_tau": pl_tokens / max(1, pl_fw),
+            "baseline_prompt_lookup_speedup": (base_s / max(pl_s, 1e-9)) * (pl_tokens / max(1, new_tokens)),
+            "acceptance_histogram": {str(k): hist[which][k] for k in sorted(hist[which])},
+            **_by_source(r),
+            "device": str(device),
+            "prompts": r,
+        }
+    if "checkpoint" in res:
+        out = {**res["checkpoint"], "checkpoint": ck}
+        if "export" in res:
+            out["export"] = {**{k: v for k, v in res["export"].items() if k != "prompts"}, "path": export}
+        return out
+    return {**res["export"], "export_path": export}
 
 
 def _by_source(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -159,9 +193,11 @@ def _plot(res: dict[str, Any], path: Path) -> None:
 
 
 @click.command()
-@click.option("--run", required=True, help="Training run directory.")
+@click.option("--run", default="", help="Training run directory (its checkpoint is evaluated).")
 @click.option("--checkpoint", default="", help="'best' (best held-out sim_tau), 'latest' (newest step-N) or a "
               "checkpoint directory [default: best if the run validated, else latest].")
+@click.option("--export", default="", help="An exported directory: evaluated as served (bf16 weights, loaded by "
+              "AutoModel with trust_remote_code), beside the checkpoint when --run is given too.")
 @click.option("--prompts", default="default", help="'default' (held-out GSM8K slice, HumanEval, chat set) or a JSONL.")
 @click.option("--limit", default=0, help="Evaluate only the first N prompts (0 = all).")
 @click.option("--max-new-tokens", default=128, show_default=True)
@@ -176,13 +212,13 @@ def main(as_json: bool, **kw) -> None:
     except (ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    out = Path(kw["run"])
+    out = Path(kw["run"] or kw["export"])
     (out / "eval.json").write_text(json.dumps(res, indent=2))
     _plot(res, out / "acceptance.png")
     if as_json:
         click.echo(json.dumps({k: v for k, v in res.items() if k != "prompts"}))
         return
-    click.echo(f"checkpoint {res['checkpoint']}")
+    click.echo(f"drafter {res.get('checkpoint') or res['export_path']} ({res['drafter_dtype']} weights)")
     click.echo(f"tau {res['tau']:.3f} over {res['num_prompts']} prompts, {res['new_tokens']} new tokens "
                f"({res['target_forwards']} target forwards vs {res['baseline_target_forwards']} greedy)")
     click.echo(f"lossless {res['lossless']} (checked in {res['lossless_dtype']}); speedup {res['speedup']:.2f}x "
@@ -192,6 +228,10 @@ def main(as_json: bool, **kw) -> None:
     by = ", ".join(f"{k} {v:.3f} (prompt lookup {res['prompt_lookup_tau_by_domain'][k]:.3f})"
                    for k, v in res["tau_by_domain"].items())
     click.echo(f"tau by domain: {by}")
+    if "export" in res:
+        e = res["export"]
+        click.echo(f"export {e['path']} ({e['drafter_dtype']} weights, as served): tau {e['tau']:.3f}, "
+                   f"lossless {e['lossless']}, speedup {e['speedup']:.2f}x")
     click.echo(f"acceptance histogram {res['acceptance_histogram']}; wrote {out / 'eval.json'}, {out / 'acceptance.png'}")
 
 

@@ -1,15 +1,18 @@
-"""python -m train.export: a run's drafter in the z-lab DFlash Hugging Face layout.
+"""python -m train.export: a run's drafter in the DFlash Hugging Face layout, self-contained.
 
     python -m train.export --run runs/demo --out exports/demo
 
 Writes config.json (Qwen3-style dims, block_size, num_target_layers, dflash_config with
-mask_token_id and target_layer_ids, layer_types, architectures DFlashDraftModel) and
-model.safetensors with `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`; no embedding
-and no lm_head (the server takes the target's).
+target_layer_ids, mask_token_id and the mask token's text, eagle_aux_hidden_state_layer_ids,
+layer_types, architectures DFlashDraftModel, auto_map), model.safetensors (bf16: `layers.*`,
+`fc.weight`, `hidden_norm.weight`, `norm.weight`; no embedding and no lm_head: the server takes
+the target's) and modeling_dflash.py, so that
+`AutoModel.from_pretrained(out, trust_remote_code=True)` gives a draft model whose
+`spec_generate(target, input_ids)` decodes with the target.
 
 Layer ids: `target_layer_ids` use the HF convention of the store (id i = output of decoder layer
-i = hidden_states[i+1]), as z-lab and SGLang expect. vLLM captures *before* a layer, so its
-`eagle_aux_hidden_state_layer_ids` are these ids + 1.
+i = hidden_states[i+1]), as the DFlash reference and SGLang read them. vLLM captures *before* a
+layer, so it reads `eagle_aux_hidden_state_layer_ids`, the same ids + 1.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from train.model import DrafterConfig
 
-__all__ = ["export_run", "from_export_names", "to_export_names"]
+__all__ = ["export_config", "export_run", "from_export_names", "hf_drafter", "to_export_names", "write_export"]
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -57,12 +60,27 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
             raise ValueError(f"{dst}: exists and is not empty; pass --overwrite to replace it, or another --out")
         shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
 
-    ck = resolve_checkpoint(run, checkpoint)
-    weights, _, state = load_checkpoint(ck)
+    weights, _, state = load_checkpoint(resolve_checkpoint(run, checkpoint))
+    return write_export(dst, state, weights)
+
+
+def write_export(dst: Path, state: dict, weights: dict[str, torch.Tensor]) -> Path:
+    """config.json, bf16 model.safetensors and modeling_dflash.py of a drafter (a checkpoint's state.json
+    and weights) into `dst`."""
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(export_config(state), indent=2))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in to_export_names(weights).items()},
+              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(Path(__file__).with_name("modeling_dflash.py"), dst / "modeling_dflash.py")
+    return dst
+
+
+def export_config(state: dict) -> dict:
+    """config.json of a checkpoint's drafter (its state.json: drafter dims, layer ids, mask token)."""
     dc = DrafterConfig(**state["drafter"])
-    target_cfg = state.get("target_config", {})
-    config = {
+    return {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
         "model_type": "qwen3",
         "hidden_size": dc.hidden_size,
         "intermediate_size": dc.intermediate_size,
@@ -73,21 +91,31 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
         "vocab_size": dc.vocab_size,
         "rms_norm_eps": dc.rms_eps,
         "rope_theta": dc.rope_theta,
-        "max_position_embeddings": target_cfg.get("max_position_embeddings", 32768),
+        "rope_parameters": {"rope_type": "default", "rope_theta": dc.rope_theta},
+        "max_position_embeddings": state.get("target_config", {}).get("max_position_embeddings", 32768),
         "hidden_act": "silu",
         "tie_word_embeddings": False,
         "attention_bias": False,
+        "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
         "block_size": dc.block_size,
         "num_target_layers": state.get("num_target_layers", 0),
         "layer_types": ["full_attention"] * dc.num_layers,
-        "dflash_config": {"mask_token_id": dc.mask_token_id, "target_layer_ids": state["layer_ids"]},
+        "dflash_config": {"mask_token_id": dc.mask_token_id, "mask_token": state.get("mask_token", ""),
+                          "target_layer_ids": list(state["layer_ids"])},
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in state["layer_ids"]],
     }
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in to_export_names(weights).items()},
-              str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
+
+
+def hf_drafter(state: dict, weights: dict[str, torch.Tensor]):
+    """A checkpoint as the exported model class (float32): what the export serves, before bf16."""
+    from transformers import Qwen3Config
+
+    from train.modeling_dflash import DFlashDraftModel
+
+    model = DFlashDraftModel(Qwen3Config(**export_config(state)))
+    model.load_state_dict(to_export_names(weights))
+    return model
 
 
 def load_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list[int]]:

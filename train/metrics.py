@@ -1,4 +1,5 @@
-"""Training metrics: one JSON object per line in RUN/metrics.jsonl (rank 0), and PNG plots."""
+"""Training metrics: one JSON object per line in RUN/metrics.jsonl (rank 0), PNG plots, and on
+request the same rows as TensorBoard event files (RUN/tensorboard) and a Weights & Biases run."""
 
 from __future__ import annotations
 
@@ -11,16 +12,57 @@ __all__ = ["MetricsLog", "plot_metrics", "trim_metrics"]
 
 
 class MetricsLog:
-    """Appends metric rows; a no-op on ranks other than 0 (no scattered `if rank == 0`)."""
+    """Appends metric rows; a no-op on ranks other than 0 (no scattered `if rank == 0`).
 
-    def __init__(self, run: str | os.PathLike, enabled: bool) -> None:
+    With `tensorboard`, every number of a row is also a scalar of RUN/tensorboard (per-position
+    lists such as acc as tag/k); a resumed run purges the events past its checkpoint's step, as
+    trim_metrics does for the jsonl. With `wandb`, the rows go to a wandb run (project from
+    WANDB_PROJECT, default draftcache; WANDB_MODE=offline works without a network).
+    """
+
+    def __init__(self, run: str | os.PathLike, enabled: bool, *, step: int = 0, tensorboard: bool = False,
+                 wandb: bool = False, config: dict[str, Any] | None = None) -> None:
         self.path = Path(run) / "metrics.jsonl"
         self.enabled = enabled
+        self._tb = self._wb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # a resume from step N keeps the rows up to N (trim_metrics): events from N + 1 on are redone
+            self._tb = SummaryWriter(log_dir=str(Path(run) / "tensorboard"), purge_step=step + 1 if step else None)
+        if enabled and wandb:
+            import wandb as wb
+
+            self._wb = wb.init(project=os.environ.get("WANDB_PROJECT", "draftcache"), dir=str(run), config=config,
+                               name=Path(run).name, resume="allow")
 
     def write(self, row: dict[str, Any]) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is None and self._wb is None:
+            return
+        scalars = {}
+        for k, v in row.items():
+            if k in ("step", "epoch"):
+                continue
+            if isinstance(v, (int, float)):
+                scalars[k] = float(v)
+            elif isinstance(v, list):
+                scalars.update({f"{k}/{i + 1}": float(x) for i, x in enumerate(v)})
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, row["step"])
+            self._tb.flush()
+        if self._wb is not None:
+            self._wb.log(scalars, step=row["step"])
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wb is not None:
+            self._wb.finish()
 
 
 def trim_metrics(run: str | os.PathLike, step: int) -> None:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.modeling_dflash import RMSNorm, apply_rope, rope_cos_sin
+
 __all__ = ["DrafterConfig", "DFlashDrafter", "apply_rope", "rope_cos_sin"]
 
 
@@ -39,30 +41,6 @@ class DrafterConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # normalise in float32, return the input dtype (keeps q, k, v one dtype under autocast)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
-
-
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """pos [B, S] -> cos, sin [B, 1, S, hd] (neox / HF "rotate half" layout)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
-    ang = pos.float()[..., None] * inv  # [B, S, hd/2]
-    emb = torch.cat([ang, ang], dim=-1)[:, None]
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 @functools.lru_cache(maxsize=1)

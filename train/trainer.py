@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from cache_format import StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
+from cache_format.cli import to_toml
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
 from train.data import BatchDataset, holdout_mask, plan_epoch, plan_holdout, to_device
@@ -48,7 +49,7 @@ def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig
         num_layers=cfg.num_layers, num_heads=heads, num_kv_heads=tc.get("num_key_value_heads") or heads,
         head_dim=tc.get("head_dim") or m.target.hidden_size // heads, vocab_size=m.target.vocab_size,
         num_taps=len(taps), block_size=cfg.block_size,
-        mask_token_id=cfg.mask_token_id if cfg.mask_token_id >= 0 else m.target.vocab_size - 1,
+        mask_token_id=cfg.mask_token_id if cfg.mask_token_id >= 0 else m.mask_token_id,
         rope_theta=float(tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
         rms_eps=float(tc.get("rms_norm_eps", 1e-6)),
     )
@@ -231,8 +232,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         model.compile_layers()
     ddp = data_parallel(model, grad_reduce=cfg.grad_reduce) if world > 1 else model
     use_flex = use_flex_attention(cfg.attention, device.type, dc.head_dim)
-    log = MetricsLog(cfg.out, rank == 0)
+    if rank == 0:  # the resolved config beside the metrics: `python -m train --config RUN/config.toml` reruns it
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
+    log = MetricsLog(cfg.out, rank == 0, step=step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                     config={"train": cfg.to_dict(), "drafter": dc.to_dict()})
     config_record = {"train": cfg.to_dict(), "drafter": dc.to_dict(), "layer_ids": [reader.manifest.layer_ids[i] for i in tap_index],
+                     "mask_token": reader.manifest.mask_token if dc.mask_token_id == reader.manifest.mask_token_id else "",
                      "store": str(cfg.store), "target": reader.manifest.target.name,
                      "num_target_layers": reader.manifest.target.num_layers,
                      "target_config": {k: reader.manifest.target.config.get(k) for k in ("max_position_embeddings",)}}
@@ -398,6 +404,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     if val_ds is not None and step % cfg.val_every:
         validate(epoch - 1)  # the epoch of the last step (the loop counted one past it)
     checkpoint(*position)
+    log.close()
     if rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
         plot_metrics(cfg.out)
     return {"steps": step, "run": cfg.out, "samples_last_epoch": len(reader), "finalized": reader.finalized,

@@ -118,6 +118,10 @@ def test_resume_refusals_and_overwrite(tmp_path, llama, chats):
         assert key in str(e.value)
     with pytest.raises(ValueError, match="layer id 9 out of range"):
         run(_cfg(store, llama, chats, layers=(0, 9)))
+    with pytest.raises(ValueError, match="layer id 5 is the target's last layer"):  # 6 layers
+        run(_cfg(store, llama, chats, layers=(0, 5)))
+    m = StoreReader(store).manifest
+    assert (m.mask_token_id, m.mask_token) == (300, "")  # the tiny tokenizer's 300 tokens pad to 320 rows
     s = run(_cfg(store, llama, chats, layers=(1, 3), overwrite=True))
     assert s["samples_in_store"] == 40 and StoreReader(store).manifest.layer_ids == (1, 3)
 
@@ -256,6 +260,7 @@ def test_packaged_smollm2_handful(tmp_path):
     assert s["layer_ids"] == [1, 8, 14, 20, 27]  # DFlash rule for N = 30
     r = StoreReader(store)
     assert len(r) == 4 and r.manifest.target.hidden_size == 576 and verify_store(store)["ok"]
+    assert (r.manifest.mask_token_id, r.manifest.mask_token) == (16, "<empty_output>")  # 49,152 tokens fill the rows
     assert r.frozen()["embed_tokens.weight"].shape == (49152, 576)
 
 

@@ -30,7 +30,7 @@ def _store_of_greedy_outputs(target_dir: str, prompts: str, store: str, new_toke
     from train.spec_decode import target_generate
 
     t = load_target(target_dir, device=torch.device("cpu"))
-    m = Manifest(target=t.info, tokenizer_sha256=t.tokenizer_sha256, layer_ids=(0, 2), last_hidden=True,
+    m = Manifest(target=t.info, tokenizer_sha256=t.tokenizer_sha256, layer_ids=(0, 2), mask_token_id=300, last_hidden=True,
                  dataset=DatasetInfo(path=prompts, sha256="-", num_records=6), max_len=256,
                  bucket_bounds=(256,), rows_per_shard=256, rows_per_chunk=32)
     create_store(store, m)
@@ -145,7 +145,83 @@ def test_export_refuses_a_non_empty_out_unless_overwrite(trained, tmp_path):
         export_run(run, str(out))
     assert (out / "stale.safetensors").exists() and not (out / "config.json").exists()
     export_run(run, str(out), overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "modeling_dflash.py"]
     export_run(run, str(out), overwrite=True)  # its own earlier export too needs --overwrite
     with pytest.raises(ValueError, match="not empty"):
         export_run(run, str(out))
+
+
+# A user's load of an export, in a fresh process: AutoModel with trust_remote_code (the export's own
+# modeling file, no draftcache import), its bf16 weights, spec_generate against the target in float32.
+_SERVE = r"""
+import json, sys, torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+exp, target, gguf, n, prompts = sys.argv[1], sys.argv[2], sys.argv[3] or None, int(sys.argv[4]), sys.argv[5]
+tok = AutoTokenizer.from_pretrained(target, gguf_file=gguf)
+tgt = AutoModelForCausalLM.from_pretrained(target, gguf_file=gguf, dtype=torch.float32).eval()
+drafter = AutoModel.from_pretrained(exp, trust_remote_code=True).eval()
+assert "draftcache" not in sys.modules and "train" not in sys.modules
+prompts = [json.loads(x)["messages"][0]["content"] for x in open(prompts)] if prompts else ["two plus two", "def f():"]
+res = {"dtype": str(next(drafter.parameters()).dtype), "class": type(drafter).__name__, "runs": []}
+for p in prompts:
+    ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt",
+                                  return_dict=True)["input_ids"]
+    want = tgt.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[], pad_token_id=0)[0, ids.shape[1]:]
+    got = drafter.spec_generate(tgt, ids, max_new_tokens=n, eos_token_id=[])
+    new = got["sequences"][0, ids.shape[1]:]
+    res["runs"].append({"same": new.tolist() == want.tolist(), "tau": len(new) / got["target_forwards"]})
+print(json.dumps(res))
+"""
+
+
+def _serve(exp, target, gguf="", n=24, prompts=""):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, "-c", _SERVE, str(exp), target, gguf, str(n), prompts], capture_output=True, text=True,
+                       env=env, cwd=str(exp), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_export_serves_through_automodel_in_a_fresh_process_losslessly(trained, tmp_path):
+    target, prompts, run = trained
+    out = export_run(run, str(tmp_path / "exp"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3]  # vLLM's count: the tap ids + 1
+    assert cfg["dflash_config"]["mask_token_id"] == 300 and cfg["dflash_config"]["mask_token"] == ""
+    res = _serve(out, target, prompts=prompts)
+    assert res["class"] == "DFlashDraftModel" and res["dtype"] == "torch.bfloat16"
+    assert all(r["same"] for r in res["runs"]), res
+    assert sum(r["tau"] for r in res["runs"]) / len(res["runs"]) > 1.5, res  # the overfit drafter, served in bf16
+
+
+def test_eval_reports_the_export_beside_the_checkpoint(trained, tmp_path):
+    _, prompts, run = trained
+    out = export_run(run, str(tmp_path / "exp"))
+    res = _eval(run, prompts, "--export", str(out))
+    e = res["export"]
+    assert res["drafter_dtype"] == "float32" and e["drafter_dtype"] == "bfloat16" and e["path"] == str(out)
+    assert res["lossless"] is True and e["lossless"] is True and e["num_prompts"] == res["num_prompts"] == 6
+    assert e["tau"] > 1.5 and abs(e["tau"] - res["tau"]) < 0.5, (res["tau"], e["tau"])
+
+
+def test_export_of_a_packaged_target_drafter_is_lossless_when_served(tmp_path):
+    """The packaged SmolLM2 as the target: an untrained 1-layer drafter at its shape, exported and served."""
+    import os
+
+    from cache_format.target import packaged_gguf
+    from train.export import write_export
+
+    gguf = packaged_gguf()
+    dc = DrafterConfig(hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
+                       vocab_size=49152, num_taps=2, block_size=8, mask_token_id=16, rope_theta=100000.0, rms_eps=1e-5)
+    torch.manual_seed(0)
+    weights = DFlashDrafter(dc, torch.zeros(1, 1), torch.zeros(1, 1)).state_dict()
+    state = {"drafter": dc.to_dict(), "layer_ids": [1, 14], "mask_token": "<empty_output>", "num_target_layers": 30}
+    out = write_export(tmp_path / "exp", state, weights)
+    res = _serve(out, os.path.dirname(gguf), os.path.basename(gguf), n=12)
+    assert all(r["same"] for r in res["runs"]), res

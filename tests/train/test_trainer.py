@@ -96,6 +96,32 @@ def test_time_limit_stops_at_a_logged_step_with_a_checkpoint_and_resume_finishes
     assert [r["step"] for r in _metrics(out) if "loss" in r] == [5, 10, 15, 20]
 
 
+def test_tensorboard_events_carry_the_metric_rows_and_a_resume_purges_past_its_checkpoint(store, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    train(_cfg(store, out, max_steps=15, checkpoint_every=10, tensorboard=True))
+    _kill_after(out, 10)
+    train(_cfg(store, out, max_steps=15, checkpoint_every=10, tensorboard=True, resume=True))
+    ev = EventAccumulator(str(out / "tensorboard"))
+    ev.Reload()
+    rows = [r for r in _metrics(out) if "loss" in r]
+    got = [(e.step, e.value) for e in ev.Scalars("loss")]
+    assert [s for s, _ in got] == [r["step"] for r in rows] == [5, 10, 15]  # step 15 once, though logged twice
+    assert [v for _, v in got] == pytest.approx([r["loss"] for r in rows])
+    assert [e.value for e in ev.Scalars("acc/1")] == pytest.approx([r["acc"][0] for r in rows])
+
+
+def test_logging_flags_name_the_missing_package(store, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "tensorboard") else real(name, *a))
+    for flag in ("wandb", "tensorboard"):
+        with pytest.raises(ValueError, match=f"--{flag} needs the {flag} package: pip install {flag}"):
+            _cfg(store, tmp_path / "x", **{flag: True})
+
+
 def test_refusals(store, tmp_path):
     with pytest.raises(ValueError, match=r"layer ids \[7\] are not stored"):
         train(_cfg(store, tmp_path / "a", layers=(0, 7)))
