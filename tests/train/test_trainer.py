@@ -272,7 +272,8 @@ def test_cli_maps_one_to_one_onto_the_config():
 
     from train.__main__ import main
 
-    assert {p.name for p in main.params} == {f.name for f in dataclasses.fields(TrainConfig)}
+    # every field an option, and beyond them only the config-file pair
+    assert {p.name for p in main.params} == {f.name for f in dataclasses.fields(TrainConfig)} | {"config", "print_config"}
 
 
 def test_the_best_held_out_checkpoint_is_kept_and_survives_a_resume(store, tmp_path, monkeypatch):
