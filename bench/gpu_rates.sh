@@ -102,14 +102,15 @@ store)  # the store bench on this host's /dev/shm (CPU only): write GB/s per pro
     --open-samples 0 2>&1 | tee "$OUT/store.log" | tail -n 1; rm -rf /dev/shm/sb
   ;;
 layout)  # x2: the design card's layout, stage one on GPU 0 while stage two follows on GPU 1
-  timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape $SHAPE --samples 1024 --words 1400 --steps 150 --compile \
-    --deadline $(( ${TLAYOUT:-560} - 40 )) \
-    2>&1 | tee "$OUT/layout.log" | tail -n 2
+  # its own process group (setsid), so the phases it starts can be ended by that group's id below
+  setsid timeout ${TLAYOUT:-560} python3 bench/layout_bench.py --shape $SHAPE --samples 1024 --words 1400 --steps 150 \
+    --compile --deadline $(( ${TLAYOUT:-560} - 40 )) > "$OUT/layout.log" 2>&1 &
+  lp=$!; wait $lp; tail -n 2 "$OUT/layout.log"
   for f in /dev/shm/draftcache_layout_bench/*.log; do  # each phase's own log, also when cut by the limit
     echo "== $(basename "$f")"; tr '\r' '\n' < "$f" | grep -v '^\s*$' | tail -n 40
   done > "$OUT/layout_phases.log"  # one file: at most 8 come back
   for r in B C; do cp /dev/shm/draftcache_layout_bench/${r}run/metrics.jsonl "$OUT/layout_${r}run.jsonl" 2>/dev/null; done
-  pkill -9 -f "[-]m (extract|train) " || true  # a phase cut by the limit must not keep its GPU
+  kill -9 -- -$lp 2>/dev/null || true  # a phase cut by the limit must not keep its GPU: only the group we started
   ;;
 esac
 done

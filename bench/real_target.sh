@@ -81,16 +81,18 @@ tlim=$TLIM  # DEADLINE=S: training ends by S seconds after the script's start, h
 if [ -n "${DEADLINE:-}" ]; then tlim=$(( DEADLINE - ($(date +%s) - t0) )); [ $tlim -lt $TLIM ] || tlim=$TLIM; fi
 stamp training for at most $tlim s
 [ $tlim -ge 30 ] || { stamp no time left to train; ids=; }  # (timeout 0 would mean no limit at all)
+groups=()
 for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"
-  CUDA_VISIBLE_DEVICES=${ddp_gpus:-$i} timeout $tlim $launch -m train \
+  CUDA_VISIBLE_DEVICES=${ddp_gpus:-$i} setsid timeout $tlim $launch -m train \
     --store /dev/shm/$store.zarr --out $W/run_$name --num-layers ${LAYERS:-3} \
     --epochs ${EPOCHS:-100} --max-steps $STEPS --lr 1e-3 --token-budget 16384 --workers 6 --log-every 20 --checkpoint-every 100 \
     --val-samples 200 --val-every 100 --compile $extra $([ -d $W/run_$name/checkpoints ] && echo --resume) \
     > $W/train_$name.log 2>&1 &
+  groups+=($!)  # setsid: the pid is its process group's id, the launcher's ranks included
 done
 wait; stamp trained
-pkill -9 -f "[-]m train " || true  # a torchrun rank outliving its time limit must not hold a GPU during eval
+for g in "${groups[@]}"; do kill -9 -- -"$g" 2>/dev/null; done  # a rank outliving its limit must not hold a GPU during eval
 fi
 for i in $ids; do
   IFS=: read -r name store extra <<< "${runs[$i]}"

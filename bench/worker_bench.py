@@ -5,7 +5,7 @@
 
 A worker runs with one torch thread; so does this. With W workers the trainer gets at most W / t
 micro-batches a second: when that is near its step rate, the prefetched batches run out mid-epoch and
-the GPU waits (docs/BENCHMARKS.md, "Profiles of the missed goals"). Needs no GPU.
+the GPU waits (docs/benchmarks/2026-11-30_profiles_h200-x2.md). Needs no GPU.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Commit protocol (one writer process per GPU rank, each with its own writer id):
    samples that ended in that shard, and a crc32c of every array's shard rows. A sample that is
    not in a done-log does not exist for readers.
    A full shard is written and committed by the writer's one I/O thread while `add` fills the
-   next buffer (the write into tmpfs is most of a shard's cost: docs/BENCHMARKS.md, Store); at
+   next buffer (the write into tmpfs is most of a shard's cost: docs/benchmarks/2026-11-29_store_h200.md); at
    most one shard is in flight, and commits stay in order. An I/O error surfaces when the next
    shard is handed over, or at `flush`/`close`. No GPU work runs on that thread.
 4. `flush()` (and `close()`) also write the incomplete tail shard; a later write rewrites it whole
