@@ -4,7 +4,7 @@
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints
 #   bash scripts/scale_run.sh eval      # float32 evaluation, 16 held-out prompts per domain, lossless check
-#   bash scripts/scale_run.sh pack      # metrics, eval.json and log tails into $OUT
+#   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
 # The options are those of configs/smollm2-h200/ (extract.toml, train.toml); the environment overrides a few.
 # Settings (environment): DATA (default: docs/results/recipe-default-100k/train.jsonl.gz), W (work
 # dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the samples to extract,
@@ -56,6 +56,12 @@ eval)
 pack)
   out=${OUT:-/tmp/out}; mkdir -p "$out"
   cp "$RUN/metrics.jsonl" "$RUN/eval.json" "$out/" 2>/dev/null
+  # the trained drafter comes back too: its bf16 export in parts under 16 MiB (at most 8 files in all);
+  # rejoin with `cat export.safetensors.part-* > model.safetensors` beside a fresh export's config.json
+  if python3 -m train.export --run "$RUN" --out "$W/export" --overwrite > /dev/null; then
+    cp "$W/export/config.json" "$out/export_config.json"
+    split -b 15M -d -a 1 "$W/export/model.safetensors" "$out/export.safetensors.part-"
+  fi
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 40 > "$out/train_log_tail.txt"
   ls -la "$out";;
 *) echo "stage must be extract, train, eval or pack" >&2; exit 2;;
