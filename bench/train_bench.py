@@ -3,7 +3,7 @@
     python bench/train_bench.py --store /dev/shm/tb.zarr --shape qwen3-8b --samples 48 --seq 2048 --steps 20
 
 Builds a synthetic store (random bf16 taps, K=5) of `samples` sequences, then runs
-train.trainer.forward_backward + AdamW on a DFlash drafter (5 layers, dims of the shape, 512
+train.step.forward_backward + AdamW on a DFlash drafter (5 layers, dims of the shape, 512
 anchors x block 16) over the same micro-batches: (a) every batch preloaded on the GPU, (b) read through
 train.data.BatchDataset + DataLoader workers (what `python -m train` runs), copied to the GPU on
 the compute stream, (c) the same with the copy on a side stream (as `python -m train` copies); in
@@ -24,9 +24,9 @@ import torch
 
 from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, TargetInfo, create_store, finalize_store, write_frozen
 from train.config import LOSS_BACKWARDS
-from train.data import BatchDataset, plan_epoch, to_device
+from train.data import BatchDataset, CollateSettings, plan_epoch, to_device
 from train.model import DFlashDrafter, DrafterConfig
-from train.trainer import forward_backward, make_optimizer
+from train.step import LossSettings, forward_backward, make_optimizer
 
 SHAPES = {"qwen3-8b": (4096, 12288, 32, 8, 128, 151936), "qwen3-32b": (5120, 25600, 64, 8, 128, 151936),
           "smollm2-135m": (576, 1536, 9, 3, 64, 49152), "tiny": (128, 256, 4, 2, 32, 1000)}
@@ -72,9 +72,9 @@ def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: 
                        ranks=1, grad_accum=1)
     micro = [s[0] for s in steps]
     micro = (micro * (count // max(1, len(micro)) + 1))[:count]
-    return BatchDataset(store, micro, list(range(len(micro))), tap_index=[0, 1, 2, 3, 4], num_stored_taps=5,
-                        num_anchors=anchors, block_size=16, mask_token_id=dc.mask_token_id, seed=0, epoch=0,
-                        with_teacher=False, verify_shards=verify_shards)
+    settings = CollateSettings(tap_index=(0, 1, 2, 3, 4), num_stored_taps=5, num_anchors=anchors, block_size=16,
+                               mask_token_id=dc.mask_token_id, with_teacher=False)
+    return BatchDataset(store, micro, list(range(len(micro))), settings, seed=0, epoch=0, verify_shards=verify_shards)
 
 
 def flops_per_step(dc: DrafterConfig, batch: dict, anchors_per_seq: int) -> float:
@@ -121,12 +121,13 @@ def main() -> None:
     opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)  # what python -m train uses
     ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup)
     use_flex = dev.type == "cuda"
+    loss = LossSettings(block_size=16, gamma=7.0, use_flex=use_flex, chunk=a.loss_chunk, backward=a.loss_backward,
+                        compiled=a.compile)  # what python -m train builds from its config
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def step(batch):
         opt.zero_grad(set_to_none=True)
-        out = forward_backward(model, batch, block_size=16, gamma=7.0, kl_weight=0.0, use_flex=use_flex,
-                               loss_chunk=a.loss_chunk, loss_backward=a.loss_backward, compiled_loss=a.compile)
+        out = forward_backward(model, batch, loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         return out

@@ -8,6 +8,9 @@ micro-batches already trained. Anchors are drawn in the Dataset from a Generator
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -15,7 +18,7 @@ from cache_format import StoreReader
 from cache_format.codec import fp8_dequantize
 from train.anchors import IGNORE, build_blocks, sample_anchors
 
-__all__ = ["BatchDataset", "collate", "holdout_mask", "plan_epoch", "plan_holdout", "to_device"]
+__all__ = ["BatchDataset", "CollateSettings", "collate", "holdout_mask", "plan_epoch", "plan_holdout", "to_device"]
 
 
 def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, *, token_budget: int, seed: int,
@@ -85,16 +88,27 @@ def plan_holdout(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarra
     return [s[0] for s in micro[rank::ranks]]
 
 
+@dataclass(frozen=True, kw_only=True)
+class CollateSettings:
+    """How stored samples become a micro-batch: the same for every batch of a run (see collate)."""
+
+    tap_index: tuple[int, ...]
+    """Which of the stored taps the drafter reads, by position in the store's layer_ids."""
+    num_stored_taps: int
+    num_anchors: int
+    block_size: int
+    mask_token_id: int
+    with_teacher: bool
+    """Also collate the final hidden state (the KL loss's teacher)."""
+
+
 class BatchDataset(torch.utils.data.Dataset):
     """Item i = the collated micro-batch i of a list; the reader opens lazily in each worker."""
 
-    def __init__(self, store: str, micro: list[list[int]], keys: list[int], *, tap_index: list[int],
-                 num_stored_taps: int,
-                 num_anchors: int, block_size: int, mask_token_id: int, seed: int, epoch: int,
-                 with_teacher: bool, verify_shards: bool = False) -> None:
+    def __init__(self, store: str, micro: list[list[int]], keys: list[int], settings: CollateSettings, *, seed: int,
+                 epoch: int, verify_shards: bool = False) -> None:
         self.store, self.micro, self.keys, self.verify_shards = store, micro, keys, verify_shards
-        self.kw = dict(tap_index=tap_index, num_stored_taps=num_stored_taps, num_anchors=num_anchors, block_size=block_size,
-                       mask_token_id=mask_token_id, with_teacher=with_teacher)
+        self.kw = {**dataclasses.asdict(settings), "tap_index": list(settings.tap_index)}
         self.seed, self.epoch = seed, epoch
         self._reader: StoreReader | None = None
 
@@ -107,7 +121,7 @@ class BatchDataset(torch.utils.data.Dataset):
         # a fixed mix of (seed, epoch, key): Python's hash() of ints is stable across processes
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.keys[i])
         # an fp8 store's states stay fp8 until to_device: half the bytes to pin and copy, and the
-        # dequantization runs on the GPU, not in this worker (3/4 of its time on a CPU, docs/BENCHMARKS.md)
+        # dequantization runs on the GPU, not in this worker (3/4 of its time on a CPU, docs/benchmarks/)
         return collate(self._reader.get_batch(self.micro[i], fp8_bits=True), generator=g, **self.kw)
 
 

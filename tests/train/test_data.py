@@ -97,13 +97,14 @@ def test_fp8_batches_stay_fp8_until_to_device_and_then_equal_the_host_decode(tmp
 
     from cache_format import StoreReader
     from tests.helpers import make_manifest, write_store
-    from train.data import BatchDataset, collate, to_device
+    from train.data import BatchDataset, CollateSettings, collate, to_device
 
     m = make_manifest(dtype="fp8_e4m3", compression=compression)
     write_store(tmp_path / "s.zarr", range(12), m)
     micro = [[0, 5, 7], [3], [11, 2]]
     kw = dict(tap_index=[1], num_stored_taps=2, num_anchors=4, block_size=4, mask_token_id=99, with_teacher=True)
-    ds = BatchDataset(str(tmp_path / "s.zarr"), micro, [0, 1, 2], seed=3, epoch=1, **kw)
+    settings = CollateSettings(**{**kw, "tap_index": (1,)})
+    ds = BatchDataset(str(tmp_path / "s.zarr"), micro, [0, 1, 2], settings, seed=3, epoch=1)
     reader = StoreReader(tmp_path / "s.zarr")
     for i, ids in enumerate(micro):
         item = ds[i]

@@ -8,7 +8,7 @@ import torch
 from train.anchors import build_blocks, sample_anchors
 from train.masks import dense_mask, flex_block_mask
 from train.model import DFlashDrafter, DrafterConfig
-from train.trainer import forward_backward
+from train.step import LossSettings, forward_backward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -43,7 +43,7 @@ def test_flex_attention_step_equals_dense_step(compiled):
         model = DFlashDrafter(dc, emb, head).cuda()
         if compiled and use_flex:
             model.compile_layers()
-        out = forward_backward(model, batch, block_size=dc.block_size, gamma=4.0, kl_weight=0.0, use_flex=use_flex)
+        out = forward_backward(model, batch, LossSettings(block_size=dc.block_size, gamma=4.0, use_flex=use_flex))
         losses.append(float(out["loss"]))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[0]), losses  # bf16 autocast, other kernels
@@ -86,11 +86,12 @@ def test_fp8_taps_dequantized_on_the_side_stream_equal_the_host_decode(tmp_path)
     # fp8 bits and scales go to the GPU and are dequantized on the copy stream: bit for bit the
     # bf16 taps that the CPU path (the reader's own decode) gives
     from tests.helpers import make_manifest, write_store
-    from train.data import BatchDataset, to_device
+    from train.data import BatchDataset, CollateSettings, to_device
 
     write_store(tmp_path / "s.zarr", range(8), make_manifest(dtype="fp8_e4m3"))
-    ds = BatchDataset(str(tmp_path / "s.zarr"), [[0, 5, 7], [3]], [0, 1], tap_index=[1, 0], num_stored_taps=2,
-                      num_anchors=4, block_size=4, mask_token_id=99, seed=0, epoch=0, with_teacher=False)
+    settings = CollateSettings(tap_index=(1, 0), num_stored_taps=2, num_anchors=4, block_size=4, mask_token_id=99,
+                               with_teacher=False)
+    ds = BatchDataset(str(tmp_path / "s.zarr"), [[0, 5, 7], [3]], [0, 1], settings, seed=0, epoch=0)
     side = torch.cuda.Stream()
     for i in range(len(ds)):
         item = ds[i]
