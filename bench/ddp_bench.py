@@ -1,6 +1,6 @@
 """DDP scaling of `python -m train`: positions/s on 1 GPU vs N GPUs, same synthetic store, same settings.
 
-    python bench/ddp_bench.py --shape qwen3-8b --gpus 1,2 --steps 30 --samples 96 --seq 2048
+    python -m bench ddp --shape qwen3-8b --gpus 1,2 --steps 30 --samples 96 --seq 2048
 
 Builds a random store once (bench/train_bench.make_store), then runs the real trainer under
 torchrun for each GPU count with the same per-rank token budget (so N GPUs train N x the positions
@@ -21,11 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import bench_batches, drafter_config, flops_per_step, make_store  # noqa: E402
-
-from cache_format import StoreReader  # noqa: E402
-from train.config import GRAD_REDUCES  # noqa: E402
+from bench.train_bench import bench_batches, drafter_config, flops_per_step, make_store
+from cache_format import StoreReader
+from train.config import GRAD_REDUCES
 
 
 def run(store: str, out: str, gpus: int, a: argparse.Namespace) -> float:

@@ -1,7 +1,7 @@
 """Extraction rate with the store vs the bare forward, same model, same batches, one run.
 
-    python bench/extract_bench.py --store /dev/shm/xb.zarr --shape qwen3-8b --batches 20 --batch 8 --seq 2048
-    python bench/extract_bench.py ... --dtype fp8_e4m3 --variants thread:3 --profile 4   # + where the time goes
+    python -m bench extract --store /dev/shm/xb.zarr --shape qwen3-8b --batches 20 --batch 8 --seq 2048
+    python -m bench extract ... --dtype fp8_e4m3 --variants thread:3 --profile 4   # + where the time goes
 
 Random-weight target built from a config (no download), bf16 on GPU. "bare" runs the decoder
 stack with the same hooks, concatenation and finiteness check; "store" adds the host copies, the
@@ -20,32 +20,14 @@ import time
 
 import torch
 
-from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store
+from bench.common import SHAPES, random_target, synthetic_manifest
+from cache_format import ShardWriter, create_store, finalize_store
+from cache_format.schema import default_rows_per_shard
 from extract.data import Rendered
 from extract.pipeline import ring_fields, run_batches
 from extract.plan import dflash_layer_ids
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
-
-SHAPES = {
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=64, vocab_size=1000),
-}
-
-
-def build(shape: str, device: torch.device) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(**SHAPES[shape], attn_implementation="sdpa")
-    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).eval()
-    torch.set_default_dtype(torch.float32)
-    return model
 
 
 def main() -> None:
@@ -64,7 +46,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="profile this many store batches; print the top ops")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build(a.shape, dev)
+    model = random_target(a.shape, dev)
     layer_ids = dflash_layer_ids(model.config.num_hidden_layers, 5)
     g = torch.Generator().manual_seed(0)
     batches = [[Rendered(b * a.batch + j, torch.randint(0, model.config.vocab_size, (a.seq,), generator=g),
@@ -112,12 +94,10 @@ def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.devi
     """Tokens/s of the same batches with `n` writers of kind `writer` into a fresh store."""
     h, n_layers = model.config.hidden_size, model.config.num_hidden_layers
     shutil.rmtree(a.store, ignore_errors=True)
-    m = Manifest(target=TargetInfo(name=f"random-{a.shape}", sha256="-", num_layers=n_layers, hidden_size=h,
-                                   vocab_size=model.config.vocab_size),
-                 tokenizer_sha256="-", layer_ids=tuple(layer_ids), mask_token_id=model.config.vocab_size - 1,
-                 last_hidden=a.last_hidden,
-                 dataset=DatasetInfo(path="-", sha256="-", num_records=len(batches) * a.batch), max_len=a.seq,
-                 bucket_bounds=(a.seq,), dtype=a.dtype, rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32)
+    m = synthetic_manifest(name=f"random-{a.shape}", hidden_size=h, vocab_size=model.config.vocab_size,
+                           layer_ids=tuple(layer_ids), num_layers=n_layers, last_hidden=a.last_hidden,
+                           num_records=len(batches) * a.batch, max_len=a.seq, bucket_bounds=(a.seq,), dtype=a.dtype,
+                           rows_per_shard=default_rows_per_shard(h, 5))
     create_store(a.store, m)
     # The ring and the writers are set up once per run (page-locking the ring takes a moment), so
     # they are made before the clock starts; everything per batch is timed, including the tail:

@@ -1,6 +1,6 @@
 """The design card's layout on two GPUs: stage one on GPU 0 while stage two follows the store on GPU 1.
 
-    python bench/layout_bench.py --shape qwen3-8b --samples 768 --words 1400 --steps 60
+    python -m bench layout --shape qwen3-8b --samples 768 --words 1400 --steps 60
 
 Three phases with the real CLIs (`python -m extract`, `python -m train`), same data and settings:
   A  extraction alone on GPU 0 (store A)
@@ -32,17 +32,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from ddp_bench import child_env, steady_rate  # noqa: E402
+from bench.ddp_bench import child_env, steady_rate  # noqa: E402
 
 
 def make_target(path: Path, shape: str) -> None:
     import torch
     import transformers
-    from extract_bench import SHAPES
 
-    from tests.helpers import tiny_tokenizer
+    from bench.common import SHAPES, tiny_tokenizer
 
     tok = tiny_tokenizer()
     cfg = transformers.Qwen3Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False,
@@ -55,7 +52,7 @@ def make_target(path: Path, shape: str) -> None:
 
 
 def make_data(path: Path, samples: int, words: int) -> None:
-    from tests.helpers import CORPUS
+    from bench.common import CORPUS
 
     rng = random.Random(0)
     vocab = " ".join(CORPUS).split()

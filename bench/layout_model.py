@@ -1,6 +1,6 @@
 """Wall time of E epochs on G GPUs: the seeds' coupled layout vs draftcache's decoupled one.
 
-    python bench/layout_model.py --tokens 1.6e9 --epochs 6 --extract-tok-s 29831 --train-pos-s 36023 \
+    python -m bench layout-model --tokens 1.6e9 --epochs 6 --extract-tok-s 29831 --train-pos-s 36023 \
         --positions-per-token 4.0 [--store STORE --num-anchors 512 --block-size 16]
 
 Coupled (the seeds: 6 target + 2 drafter GPUs joined by queues) recomputes the target every epoch

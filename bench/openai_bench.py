@@ -1,6 +1,6 @@
 """The openai engine's rate against a local `transformers serve` at several concurrencies (CPU).
 
-    python bench/openai_bench.py --prompts 32 --max-new-tokens 64 --concurrency 1,8,32 --json OUT.json
+    python -m bench openai --prompts 32 --max-new-tokens 64 --concurrency 1,8,32 --json OUT.json
 
 Starts the packaged SmolLM2 (a plain HF copy, float32) under `transformers serve` on 127.0.0.1,
 sends the first N packaged training prompts through `extract.regenerate --engine openai` once per

@@ -1,7 +1,7 @@
 """Regeneration engines side by side on the same prompts, in one process: new tokens per second.
 
-    python bench/regen_bench.py --prompts 1024 --max-new-tokens 256 --json OUT.json
-    python bench/regen_bench.py --random-weights --prompts 256    # SmolLM2 shape, no GGUF needed
+    python -m bench regen --prompts 1024 --max-new-tokens 256 --json OUT.json
+    python -m bench regen --random-weights --prompts 256    # SmolLM2 shape, no GGUF needed
 
 Paths (each over the same prompts, shortest first):
   hf       today's `extract.regenerate --engine hf`: HF `generate`, dynamic cache, padded batches

@@ -1,6 +1,6 @@
 """Store throughput: write GB/s per writer process, random-batch read GB/s, 1M-sample index open.
 
-    python bench/store_bench.py --dir /dev/shm/bench --width 20480 --tokens 2000000 --writers 1,4 --readers 1,4
+    python -m bench store --dir /dev/shm/bench --width 20480 --tokens 2000000 --writers 1,4 --readers 1,4
 
 Synthetic bf16 rows of `width` (20480 = Qwen3-8B with 5 taps); sample lengths lognormal around
 600 tokens clipped to [64, 4096]. Data generation is not timed. Prints one JSON object.
@@ -18,16 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, TargetInfo, create_store, finalize_store
+from bench.common import synthetic_manifest
+from cache_format import Manifest, ShardWriter, StoreReader, create_store, finalize_store
 
 
 def manifest(width: int, taps: int, rows_per_shard: int, compression: str = "none") -> Manifest:
-    h = width // taps
-    return Manifest(target=TargetInfo(name="synthetic", sha256="-", num_layers=36, hidden_size=h, vocab_size=151936),
-                    tokenizer_sha256="-", layer_ids=tuple(range(1, 1 + taps)), mask_token_id=151935, last_hidden=False,
-                    dataset=DatasetInfo(path="-", sha256="-", num_records=0), max_len=4096,
-                    bucket_bounds=(512, 1024, 2048, 4096), rows_per_shard=rows_per_shard, rows_per_chunk=32,
-                    compression=compression)
+    return synthetic_manifest(name="synthetic", hidden_size=width // taps, vocab_size=151936,
+                              layer_ids=tuple(range(1, 1 + taps)), max_len=4096, bucket_bounds=(512, 1024, 2048, 4096),
+                              rows_per_shard=rows_per_shard, compression=compression)
 
 
 def lengths(n_tokens: int, seed: int) -> list[int]:
@@ -86,6 +84,7 @@ def bench_write(root: Path, width: int, n_tokens: int, writers: int, rows: int, 
 def read_part(path: str, seed: int, batches: int, batch: int, q) -> None:
     r = StoreReader(path)
     rng = np.random.default_rng(seed)
+    batch = min(batch, len(r))  # a small store: every sample in each batch (else the child dies and we wait)
     r.get_batch(rng.choice(r.sample_ids, batch, replace=False))  # warm-up
     nbytes, t0 = 0, time.perf_counter()
     for _ in range(batches):

@@ -1,6 +1,6 @@
 """Drafter training rate fed from the store vs the same batches already in GPU memory; MFU.
 
-    python bench/train_bench.py --store /dev/shm/tb.zarr --shape qwen3-8b --samples 48 --seq 2048 --steps 20
+    python -m bench train --store /dev/shm/tb.zarr --shape qwen3-8b --samples 48 --seq 2048 --steps 20
 
 Builds a synthetic store (random bf16 taps, K=5) of `samples` sequences, then runs
 train.step.forward_backward + AdamW on a DFlash drafter (5 layers, dims of the shape, 512
@@ -22,27 +22,23 @@ import time
 
 import torch
 
-from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, TargetInfo, create_store, finalize_store, write_frozen
+from bench.common import SHAPES, synthetic_manifest
+from cache_format import Manifest, ShardWriter, StoreReader, create_store, finalize_store, write_frozen
 from train.config import LOSS_BACKWARDS
 from train.data import BatchDataset, CollateSettings, plan_epoch, to_device
 from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings, forward_backward, make_optimizer
 
-SHAPES = {"qwen3-8b": (4096, 12288, 32, 8, 128, 151936), "qwen3-32b": (5120, 25600, 64, 8, 128, 151936),
-          "smollm2-135m": (576, 1536, 9, 3, 64, 49152), "tiny": (128, 256, 4, 2, 32, 1000)}
-
 
 def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bfloat16") -> Manifest:
-    h, inter, nh, nkv, hd, v = SHAPES[shape]
+    sh = SHAPES[shape]
+    h, v = sh["hidden_size"], sh["vocab_size"]
     shutil.rmtree(path, ignore_errors=True)
     # the target config lets `python -m train` (bench/ddp_bench.py) build the same drafter from the store
-    tc = {"num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": hd, "intermediate_size": inter,
-          "rope_theta": 1e6}
-    m = Manifest(target=TargetInfo(name=f"random-{shape}", sha256="-", num_layers=36, hidden_size=h, vocab_size=v,
-                                   config=tc),
-                 tokenizer_sha256="-", layer_ids=(1, 9, 17, 25, 33), mask_token_id=v - 1, last_hidden=False,
-                 dataset=DatasetInfo(path="-", sha256="-", num_records=samples), max_len=seq, bucket_bounds=(seq,),
-                 rows_per_shard=max(32, (64 << 20) // (2 * h * 5) // 32 * 32), rows_per_chunk=32, dtype=dtype)
+    tc = {"num_attention_heads": sh["num_attention_heads"], "num_key_value_heads": sh["num_key_value_heads"],
+          "head_dim": sh["head_dim"], "intermediate_size": sh["intermediate_size"], "rope_theta": 1e6}
+    m = synthetic_manifest(name=f"random-{shape}", hidden_size=h, vocab_size=v, layer_ids=(1, 9, 17, 25, 33),
+                           num_records=samples, max_len=seq, bucket_bounds=(seq,), dtype=dtype, target_config=tc)
     create_store(path, m)
     g = torch.Generator().manual_seed(0)
     write_frozen(path, {"embed_tokens.weight": torch.randn(v, h, generator=g).bfloat16() * 0.02,
@@ -59,9 +55,11 @@ def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bflo
 
 def drafter_config(shape: str, layers: int) -> DrafterConfig:
     """The benched drafter: the shape's dims, 5 taps, block 16 (what `python -m train` builds from make_store's store)."""
-    h, inter, nh, nkv, hd, v = SHAPES[shape]
-    return DrafterConfig(hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=nh, num_kv_heads=nkv,
-                         head_dim=hd, vocab_size=v, num_taps=5, block_size=16, mask_token_id=v - 1, rope_theta=1e6)
+    sh = SHAPES[shape]
+    return DrafterConfig(hidden_size=sh["hidden_size"], intermediate_size=sh["intermediate_size"], num_layers=layers,
+                         num_heads=sh["num_attention_heads"], num_kv_heads=sh["num_key_value_heads"],
+                         head_dim=sh["head_dim"], vocab_size=sh["vocab_size"], num_taps=5, block_size=16,
+                         mask_token_id=sh["vocab_size"] - 1, rope_theta=1e6)
 
 
 def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: int, count: int,
@@ -106,6 +104,8 @@ def main() -> None:
                     help="store dtype; fp8 batches are dequantized on the GPU by to_device, inside the timed step")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
     ap.add_argument("--compile", action="store_true", help="torch.compile each drafter layer (as --compile in train)")
+    ap.add_argument("--verify-shards", action="store_true",
+                    help="the store path checks each shard's checksums on first read (train --verify-shards on)")
     ap.add_argument("--loss-chunk", type=int, default=2048)
     ap.add_argument("--loss-backward", default="fused", choices=LOSS_BACKWARDS,
                     help="as --loss-backward in train")
@@ -119,7 +119,8 @@ def main() -> None:
     if a.compile:
         model.compile_layers()
     opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)  # what python -m train uses
-    ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup)
+    ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup,
+                       verify_shards=a.verify_shards)
     use_flex = dev.type == "cuda"
     loss = LossSettings(block_size=16, gamma=7.0, use_flex=use_flex, chunk=a.loss_chunk, backward=a.loss_backward,
                         compiled=a.compile)  # what python -m train builds from its config

@@ -1,7 +1,7 @@
 """Seconds per training micro-batch in one DataLoader worker: read, (dequantize,) collate.
 
-    python bench/worker_bench.py --dtype fp8_e4m3            # 8B shape, 2 x 2048 tokens per micro-batch
-    python bench/worker_bench.py --dtype bfloat16 --profile  # + cProfile's top functions
+    python -m bench worker --dtype fp8_e4m3            # 8B shape, 2 x 2048 tokens per micro-batch
+    python -m bench worker --dtype bfloat16 --profile  # + cProfile's top functions
 
 A worker runs with one torch thread; so does this. With W workers the trainer gets at most W / t
 micro-batches a second: when that is near its step rate, the prefetched batches run out mid-epoch and
@@ -14,15 +14,13 @@ import argparse
 import cProfile
 import pstats
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_bench import SHAPES, bench_batches, drafter_config, make_store  # noqa: E402
+from bench.common import SHAPES
+from bench.train_bench import bench_batches, drafter_config, make_store
 
 
 def main() -> None:

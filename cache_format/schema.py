@@ -25,6 +25,7 @@ __all__ = [
     "TargetInfo",
     "bucket_of",
     "default_bucket_bounds",
+    "default_rows_per_shard",
     "last_layer_refusal",
     "manifest_differences",
     "parse_layer_ids",
@@ -190,6 +191,11 @@ class Manifest:
         except (TypeError, KeyError, ValueError) as e:  # a damaged, unknown or missing field
             raise CacheFormatError(f"manifest is damaged or does not match format version {version}: "
                                    f"{type(e).__name__}: {e}") from None
+
+
+def default_rows_per_shard(hidden_size: int, num_taps: int) -> int:
+    """Tokens per shard for about 64 MiB of bf16 hidden states (a multiple of 32, at least 32)."""
+    return max(32, (64 << 20) // (2 * hidden_size * num_taps) // 32 * 32)
 
 
 def last_layer_refusal(num_layers: int) -> str:

@@ -155,7 +155,7 @@ def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tenso
     small[:, 0] = ok.double()
     fields = {"hidden": hid}
     if fp8_layers:
-        # a named range, so a profile (bench/extract_bench.py --profile) can price the quantization
+        # a named range, so a profile (python -m bench extract --profile) can price the quantization
         with torch.profiler.record_function("draftcache.fp8_quantize"):
             bits, scales, err, ref = fp8_quantize(hid, fp8_layers)  # [B, T, K*H] u8, [B, T, K] f32, [B, T] f64 x2
             real = att.double()  # [B, T]

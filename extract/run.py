@@ -31,7 +31,7 @@ from cache_format import (
 from cache_format.checksums import record_checksums
 from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
-from cache_format.schema import default_bucket_bounds, last_layer_refusal
+from cache_format.schema import default_bucket_bounds, default_rows_per_shard, last_layer_refusal
 from cache_format.target import frozen_parts, load_target, mask_token_of
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
@@ -163,7 +163,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
 
     # ------------------------------------------------------------------ the store
     h = target.info.hidden_size
-    rows_per_shard = cfg.rows_per_shard or max(32, (64 << 20) // (2 * h * len(layer_ids)) // 32 * 32)
+    rows_per_shard = cfg.rows_per_shard or default_rows_per_shard(h, len(layer_ids))
     mask_id, mask_text = mask_token_of(target.tokenizer, target.info.vocab_size)
     manifest = Manifest(
         target=target.info, tokenizer_sha256=target.tokenizer_sha256, layer_ids=tuple(layer_ids),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from bench.common import CORPUS, tiny_tokenizer  # one home: the benches build the same tiny targets
 from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store
 
 H, N_LAYERS, VOCAB = 8, 4, 100
@@ -55,33 +56,6 @@ def assert_sample_equal(got, ref: dict[str, torch.Tensor]) -> None:
 
 
 # --------------------------------------------------------------------------- tiny targets
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog", "what is two plus two? two plus two is four.",
-    "def add(a, b): return a + b", "question answer user assistant system hello world",
-    "numbers 0 1 2 3 4 5 6 7 8 9 ten eleven twelve", "alpha beta gamma delta epsilon zeta eta theta",
-]
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token="<|im_start|>")
-    fast.chat_template = CHATML
-    return fast
-
-
 def tiny_target_dir(path, arch: str = "llama", num_layers: int = 6, hidden: int = 32, seed: int = 0) -> str:
     """Save a random-weight causal LM + tokenizer as an HF directory (no download)."""
     import transformers

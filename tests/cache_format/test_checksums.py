@@ -119,3 +119,23 @@ def test_training_checks_each_shard_on_first_read(sound, tmp_path):
     p = subprocess.run([sys.executable, "-m", "train", *common, "--out", str(tmp_path / "off"), "--verify-shards", "off"],
                        capture_output=True, text=True, cwd=root, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_a_follower_checking_shards_while_the_tail_shard_grows(tmp_path):
+    # stage one rewrites a tail shard's file at every flush: a reader holding the older commit entry
+    # (train --follow, where shard checks are on) must not call the rewritten file damaged
+    from cache_format import ShardWriter, StoreReader, create_store
+    from tests.helpers import make_manifest, make_sample
+
+    path, m = tmp_path / "s.zarr", make_manifest(rows_per_shard=64)
+    create_store(path, m)
+    w = ShardWriter(path, writer_id=0)
+    for i in range(3):
+        w.add(i, **make_sample(i, 10, m))
+    w.flush()
+    r = StoreReader(path, verify_shards=True)
+    for i in range(3, 6):
+        w.add(i, **make_sample(i, 10, m))
+    w.flush()  # shard 0 rewritten with 60 rows; r still holds the 30-row entry
+    assert [len(s.input_ids) for s in r.get_batch([0, 2])] == [10, 10]
+    w.close()

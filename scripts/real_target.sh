@@ -13,11 +13,11 @@
 # and answers math word problems (MATH_PREFIX steers them) and adds them to base.
 # SIXTH=1 trains on the sixth run's committed data (no generation); LAYERS sets the drafter depth (default 3).
 # DEADLINE=S ends training S seconds after the script started, however long the data took (one call <= 600 s).
-# Expects the GGUF at /root/m (device.md two-call protocol) and the wheels in /root/site.
+# Expects the packaged GGUF at /root/m (carried in parts) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
 # STAGE=train resumes training and evaluates; STAGE=eval only evaluates; both while the machine is still warm).
 # DDP=1 trains RUN0 alone on both GPUs. EPOCHS caps the passes (default 100: STEPS decides); EVAL=0 skips evaluation. A longer run over two calls on one warm machine:
-#   STEPS=2500 TLIM=380 DDP=1 bash bench/real_target.sh; then STEPS=2500 TLIM=420 DDP=1 STAGE=train bash bench/real_target.sh
+#   STEPS=2500 TLIM=380 DDP=1 bash scripts/real_target.sh; then STEPS=2500 TLIM=420 DDP=1 STAGE=train bash scripts/real_target.sh
 set -uo pipefail
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TORCHINDUCTOR_CACHE_DIR=/root/inductor
 OUT=${OUT:-/tmp/out}; W=/root/w; mkdir -p "$OUT" $W

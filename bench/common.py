@@ -1,0 +1,78 @@
+"""What the benches share: model shapes, random-weight targets, synthetic manifests, a tiny tokenizer."""
+
+from __future__ import annotations
+
+import torch
+
+from cache_format import DatasetInfo, Manifest, TargetInfo
+from cache_format.schema import default_rows_per_shard
+
+__all__ = ["CORPUS", "SHAPES", "random_target", "synthetic_manifest", "tiny_tokenizer"]
+
+# Qwen3Config fields of the shapes the goals are stated at (random weights: no download)
+SHAPES = {
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-32b": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152),
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=1000),
+}
+
+
+def random_target(shape: str, device: torch.device) -> torch.nn.Module:
+    """A random-weight Qwen3 causal LM of `shape`, built on `device` (bf16 on a GPU: a float32 32B
+    build would not fit)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**SHAPES[shape], attn_implementation="sdpa")
+    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        with torch.device(device):
+            return Qwen3ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def synthetic_manifest(*, name: str, hidden_size: int, vocab_size: int, layer_ids: tuple[int, ...],
+                       max_len: int, bucket_bounds: tuple[int, ...], num_records: int = 0, num_layers: int = 36,
+                       last_hidden: bool = False, dtype: str = "bfloat16", compression: str = "none",
+                       rows_per_shard: int = 0, target_config: dict | None = None) -> Manifest:
+    """The manifest of a store of synthetic rows (no real target: "-" where a hash would be)."""
+    return Manifest(target=TargetInfo(name=name, sha256="-", num_layers=num_layers, hidden_size=hidden_size,
+                                      vocab_size=vocab_size, config=target_config or {}),
+                    tokenizer_sha256="-", layer_ids=layer_ids, mask_token_id=vocab_size - 1, last_hidden=last_hidden,
+                    dataset=DatasetInfo(path="-", sha256="-", num_records=num_records), max_len=max_len,
+                    bucket_bounds=bucket_bounds, dtype=dtype, compression=compression,
+                    rows_per_shard=rows_per_shard or default_rows_per_shard(hidden_size, len(layer_ids)),
+                    rows_per_chunk=32)
+
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog", "what is two plus two? two plus two is four.",
+    "def add(a, b): return a + b", "question answer user assistant system hello world",
+    "numbers 0 1 2 3 4 5 6 7 8 9 ten eleven twelve", "alpha beta gamma delta epsilon zeta eta theta",
+]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A 300-token byte-level BPE trained on CORPUS, with a ChatML template (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|im_start|>")
+    fast.chat_template = CHATML
+    return fast
