@@ -20,11 +20,10 @@ __all__ = [
     "bits_to_bf16",
     "checksum",
     "compressors_for",
-    "dequantize_fp8",
     "file_checksum",
     "fp8_dequantize",
+    "fp8_to_bf16",
     "fp8_quantize",
-    "quantize_fp8",
 ]
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -50,8 +49,14 @@ class Fp8Rows(NamedTuple):
     sq_err: float  # sum of squared quantization error over these rows
     sq_ref: float  # sum of squares of the unquantized rows
 
+    @classmethod
+    def of(cls, x: torch.Tensor, num_taps: int) -> Fp8Rows:
+        """x [T, K*H] on the host -> its fp8 rows (with the squared error quantization made)."""
+        bits, scales, err, ref = fp8_quantize(x, num_taps)
+        return cls(bits, scales, float(err.sum()), float(ref.sum()))
 
-def fp8_quantize(x: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def fp8_quantize(x: torch.Tensor, num_taps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., K*H] (any float dtype, any device) -> bits, scales, and the error that quantization made.
 
     Returns uint8 bits [..., K*H], float32 scales [..., K], and per token [...] the float64 sums over
@@ -60,7 +65,7 @@ def fp8_quantize(x: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torch.
     runs this on every batch, and each extra full-width pass costs GPU time the forward waits for.
     """
     *lead, width = x.shape
-    y = x.to(torch.float32, copy=True).reshape(*lead, num_layers, width // num_layers)  # [..., K, H]
+    y = x.to(torch.float32, copy=True).reshape(*lead, num_taps, width // num_taps)  # [..., K, H]
     amax = torch.linalg.vector_norm(y, float("inf"), dim=-1, keepdim=True)  # [..., K, 1]
     ref = torch.linalg.vector_norm(y, dim=-1).double().square()  # [..., K]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [..., K, 1]
@@ -68,7 +73,7 @@ def fp8_quantize(x: torch.Tensor, num_layers: int) -> tuple[torch.Tensor, torch.
     q = y.to(torch.float8_e4m3fn)  # [..., K, H]
     y.sub_(q.float())  # the error in units of the scale
     err = torch.linalg.vector_norm(y, dim=-1).double().square() * scale[..., 0].double().square()  # [..., K]
-    return (q.reshape(*lead, width).view(torch.uint8), scale.reshape(*lead, num_layers),
+    return (q.reshape(*lead, width).view(torch.uint8), scale.reshape(*lead, num_taps),
             err.sum(-1), ref.sum(-1))
 
 
@@ -80,13 +85,7 @@ def fp8_dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float() * scales[..., None]).reshape(*lead, width)
 
 
-def quantize_fp8(x: torch.Tensor, num_layers: int) -> Fp8Rows:
-    """x [T, K*H] on the host -> Fp8Rows (with the squared error it introduced)."""
-    bits, scales, err, ref = fp8_quantize(x, num_layers)
-    return Fp8Rows(bits, scales, float(err.sum()), float(ref.sum()))
-
-
-def dequantize_fp8(bits: np.ndarray, scales: np.ndarray) -> torch.Tensor:
+def fp8_to_bf16(bits: np.ndarray, scales: np.ndarray) -> torch.Tensor:
     """Stored (uint8 [T, K*H], float32 [T, K]) arrays -> bf16 [T, K*H]."""
     b = torch.from_numpy(np.ascontiguousarray(bits))
     s = torch.from_numpy(np.ascontiguousarray(scales))

@@ -18,7 +18,7 @@ import torch
 import zarr
 from zarr.core.sync import sync
 
-from cache_format.codec import bits_to_bf16, checksum, dequantize_fp8, file_checksum
+from cache_format.codec import bits_to_bf16, checksum, file_checksum, fp8_to_bf16
 from cache_format.errors import CacheFormatError, brief
 from cache_format.index import load_index
 from cache_format.layout import (
@@ -220,7 +220,7 @@ class StoreReader:
             hidden = torch.from_numpy(np.ascontiguousarray(got["hidden"]))
             scale = torch.from_numpy(np.ascontiguousarray(got["hidden_scale"]))
         else:
-            hidden = dequantize_fp8(got["hidden"], got["hidden_scale"])
+            hidden = fp8_to_bf16(got["hidden"], got["hidden_scale"])
         last = bits_to_bf16(got["last_hidden"]) if "last_hidden" in got else None
         return Sample(
             sample_id=sample_id,

@@ -36,7 +36,7 @@ import torch
 import zarr
 
 from cache_format.checksums import record_checksums
-from cache_format.codec import Fp8Rows, bf16_to_bits, checksum, compressors_for, file_checksum, quantize_fp8
+from cache_format.codec import Fp8Rows, bf16_to_bits, checksum, compressors_for, file_checksum
 from cache_format.errors import CacheFormatError, ManifestMismatchError
 from cache_format.layout import (
     FROZEN_FILE,
@@ -240,7 +240,7 @@ class ShardWriter:
         if m.dtype == "bfloat16":
             rows["hidden"] = bf16_to_bits(hidden.cpu())
         else:
-            q = hidden if isinstance(hidden, Fp8Rows) else quantize_fp8(hidden.cpu(), len(m.layer_ids))
+            q = hidden if isinstance(hidden, Fp8Rows) else Fp8Rows.of(hidden.cpu(), len(m.layer_ids))
             rows["hidden"], rows["hidden_scale"] = q.bits.cpu().numpy(), q.scales.cpu().numpy()
             self.fp8_err[0] += q.sq_err
             self.fp8_err[1] += q.sq_ref

@@ -47,7 +47,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                 fp8: bool = False, on_batch: Callable[[int], None] = lambda n: None) -> Counter:
     """Extract every batch; returns counts of refused samples. Closes the writers.
 
-    fp8 quantizes the taps on the device (ring field "hidden" holds the bits, "scales" the
+    fp8 quantizes the taps on the device (ring field "hidden" holds the bits, "hidden_scale" the
     per-token-per-layer scales), which halves the copy and keeps the host free of float maths.
     No writers (and no ring) runs the bare forward: same hooks, concatenation and finiteness
     check, no host copy, no store.
@@ -145,33 +145,33 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
 
 
 def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tensor, att: torch.Tensor,
-                   fp8_layers: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                   fp8_taps: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The ring fields of one batch, and per-sample `small` [B, 3]: ok, fp8 squared error, squared ref.
 
-    fp8_layers > 0 quantizes the taps here, per token and layer (cache_format.codec.fp8_quantize);
+    fp8_taps > 0 (the tap count K) quantizes the taps here, per token and layer (cache_format.codec.fp8_quantize);
     the error sums cover real tokens only (att), as the host path's would.
     """
     small = torch.zeros(hid.shape[0], 3, dtype=torch.float64, device=hid.device)
     small[:, 0] = ok.double()
     fields = {"hidden": hid}
-    if fp8_layers:
+    if fp8_taps:
         # a named range, so a profile (python -m bench extract --profile) can price the quantization
         with torch.profiler.record_function("draftcache.fp8_quantize"):
-            bits, scales, err, ref = fp8_quantize(hid, fp8_layers)  # [B, T, K*H] u8, [B, T, K] f32, [B, T] f64 x2
+            bits, scales, err, ref = fp8_quantize(hid, fp8_taps)  # [B, T, K*H] u8, [B, T, K] f32, [B, T] f64 x2
             real = att.double()  # [B, T]
             small[:, 1] = (err * real).sum(-1)
             small[:, 2] = (ref * real).sum(-1)
-        fields = {"hidden": bits, "scales": scales}
+        fields = {"hidden": bits, "hidden_scale": scales}
     if last is not None:
-        fields["last"] = last
+        fields["last_hidden"] = last
     return fields, small
 
 
-def ring_fields(width: int, num_layers: int, last_width: int, fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
+def ring_fields(width: int, num_taps: int, last_width: int, fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
     """The HostRing fields that run_batches fills for these shapes."""
     fields = {"hidden": (width, torch.uint8 if fp8 else torch.bfloat16)}
     if fp8:
-        fields["scales"] = (num_layers, torch.float32)
+        fields["hidden_scale"] = (num_taps, torch.float32)
     if last_width:
-        fields["last"] = (last_width, torch.bfloat16)
+        fields["last_hidden"] = (last_width, torch.bfloat16)
     return fields

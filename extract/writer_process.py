@@ -40,10 +40,10 @@ class WriteItem:
 def write_rows(writer, views: dict[str, torch.Tensor], item: WriteItem) -> int:
     """Add the item's samples to a ShardWriter from ring views [B, T, width]; returns the refused count.
 
-    With a "scales" field the "hidden" field holds fp8 bits quantized on the GPU.
+    With a "hidden_scale" field the "hidden" field holds fp8 bits quantized on the GPU.
     """
     refused = 0
-    hid, last, scales = views["hidden"], views.get("last"), views.get("scales")
+    hid, last, scales = views["hidden"], views.get("last_hidden"), views.get("hidden_scale")
     for i, (j, sid, ids, mask, ok) in enumerate(zip(item.rows, item.sample_ids, item.input_ids, item.loss_masks,
                                                    item.ok)):
         if not ok:

@@ -303,7 +303,7 @@ def test_gpu_big_padded_batches_store_every_sample(tmp_path, llama, writer):
 def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama, chats, writer):
     # stage one quantizes on the device; the bits must be those the host codec makes from the
     # same bf16 states, and the error recorded for inspect must be the host's too
-    from cache_format.codec import quantize_fp8
+    from cache_format.codec import Fp8Rows
     from cache_format.inspect import inspect_store
 
     run(_cfg(tmp_path / "bf16.zarr", llama, chats))
@@ -312,7 +312,7 @@ def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama,
     assert ref.keys() == got.keys() and verify_store(tmp_path / "fp8.zarr")["ok"]
     sq_err = sq_ref = 0.0
     for sid, (ids, mask, hidden, last) in ref.items():
-        q = quantize_fp8(hidden, 3)
+        q = Fp8Rows.of(hidden, 3)
         want = (q.bits.view(torch.float8_e4m3fn).float().view(len(ids), 3, -1) * q.scales[..., None]).view(len(ids), -1)
         torch.testing.assert_close(got[sid][2], want.bfloat16(), atol=0, rtol=0)
         torch.testing.assert_close(got[sid][3], last, atol=0, rtol=0)  # the last state stays bf16
