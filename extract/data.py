@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_format.checksums import sha256_file as file_sha256
 from cache_format.conversations import BadRecord, read_conversations
 
-__all__ = ["BadRecord", "Rendered", "file_sha256", "prompt_key", "read_conversations", "render"]
+__all__ = ["BadRecord", "Rendered", "prompt_key", "read_conversations", "render"]
 
 
 @dataclass(frozen=True)

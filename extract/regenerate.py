@@ -183,17 +183,24 @@ def _openai_results(cfg, convs, opening, todo):
         return "chat/completions", dict(messages=convs[i], **common)
 
     reqs = (ServerRequest((i, k), *body(i, k)) for i, k in todo)
+    # this run retries every request an earlier run listed as failed: the file lists this run's failures
     errors = Path(cfg.out + ".errors.jsonl")
-    with open(errors, "a", encoding="utf-8") as ef:
+    errors.unlink(missing_ok=True)
+    ef = None  # opened at the first failure: a run without failures leaves no errors file
+    try:
         for r in serve(reqs, base_urls=cfg.base_url, concurrency=cfg.concurrency, timeout=cfg.request_timeout,
                        retries=cfg.retries):
             if r.text is None:
+                ef = ef or open(errors, "a", encoding="utf-8")
                 ef.write(json.dumps({"prompt_index": r.job[0], "sample": r.job[1], "error": r.error,
                                      "attempts": r.attempts, "time": time.time()}) + "\n")
                 ef.flush()
                 yield r.job, None, 0, r.attempts
             else:
                 yield r.job, r.text, r.completion_tokens, r.attempts
+    finally:
+        if ef is not None:
+            ef.close()
 
 
 def _write(cfg: RegenConfig, out: Path, convs, results) -> RegenSummary:

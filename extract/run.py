@@ -28,13 +28,13 @@ from cache_format import (
     write_frozen,
     write_prompt_keys,
 )
-from cache_format.checksums import record_checksums
+from cache_format.checksums import record_checksums, sha256_file
 from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
 from cache_format.schema import default_bucket_bounds, default_rows_per_shard, last_layer_refusal
 from cache_format.target import frozen_parts, load_target, mask_token_of
 from extract.config import ExtractConfig
-from extract.data import BadRecord, Rendered, file_sha256, read_conversations, render
+from extract.data import BadRecord, Rendered, read_conversations, render
 from extract.pipeline import ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.ring import HostRing
@@ -168,7 +168,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     manifest = Manifest(
         target=target.info, tokenizer_sha256=target.tokenizer_sha256, layer_ids=tuple(layer_ids),
         mask_token_id=mask_id, mask_token=mask_text,
-        last_hidden=cfg.last_hidden, dataset=DatasetInfo(path=str(data), sha256=file_sha256(data),
+        last_hidden=cfg.last_hidden, dataset=DatasetInfo(path=str(data), sha256=sha256_file(data),
                                                          num_records=len(samples)),
         max_len=cfg.max_len, bucket_bounds=default_bucket_bounds(cfg.max_len), dtype=cfg.dtype,
         compression=cfg.compression, rows_per_shard=rows_per_shard, rows_per_chunk=min(32, rows_per_shard),
