@@ -11,7 +11,7 @@ only known after the next verify, as at training time (context strictly before t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,12 +23,6 @@ class DecodeResult:
     tokens: list[int]
     target_forwards: int
     seconds: float
-    accepted: list[int] = field(default_factory=list)  # tokens emitted per target forward (bonus included)
-
-
-def _layers(model):
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    return base.layers
 
 
 @torch.inference_mode()
@@ -46,4 +40,4 @@ def target_generate(model, prompt: list[int], *, max_new_tokens: int, eos: set[i
         out = model(torch.tensor([[nxt]], device=model.device), past_key_values=cache, use_cache=True)
         cache, forwards = out.past_key_values, forwards + 1
         nxt = int(out.logits[0, -1].argmax())
-    return DecodeResult(tokens, forwards, time.perf_counter() - t0, [1] * forwards)
+    return DecodeResult(tokens, forwards, time.perf_counter() - t0)

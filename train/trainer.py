@@ -153,12 +153,12 @@ class Trainer:
                                  chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile)
         if self.rank == 0:  # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
-        self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                              config={"train": cfg.to_dict(), "drafter": self.dc.to_dict()})
         self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": [m.layer_ids[i] for i in tap_index],
                        "mask_token": m.mask_token if self.dc.mask_token_id == m.mask_token_id else "",
                        "store": str(cfg.store), "target": m.target.name, "num_target_layers": m.target.num_layers,
                        "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
+        self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                              config={k: self.record[k] for k in ("train", "drafter")})
         self.val_ds = self._holdout_dataset()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
         best = json.loads((best_ck / "state.json").read_text()) if best_ck else {"step": self.step, "val_sim_tau": float("-inf")}
