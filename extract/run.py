@@ -34,7 +34,7 @@ from cache_format.lock import StoreLock
 from cache_format.schema import default_bucket_bounds, default_rows_per_shard, last_layer_refusal
 from cache_format.target import frozen_parts, load_target, mask_token_of
 from extract.config import ExtractConfig
-from extract.data import BadRecord, Rendered, read_conversations, render
+from extract.data import BadRecord, Rendered, read_conversations, render_many
 from extract.pipeline import ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.ring import HostRing
@@ -93,11 +93,13 @@ def _default_data(cfg: ExtractConfig, world: World) -> str:
 def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter) -> list[Rendered]:
     bad: list[str] = []
     out = []
-    for sid, msgs in read_conversations(data, skip_bad=cfg.skip_bad, limit=cfg.limit, bad=bad):
-        try:
-            r = render(sid, msgs, tokenizer, max_len=cfg.max_len)
-        except BadRecord as e:
-            raise BadRecord(f"{data}:{sid + 1}: {e}") from None
+    records = list(read_conversations(data, skip_bad=cfg.skip_bad, limit=cfg.limit, bad=bad))
+    # the ranks of one host share its cores; one core per rank stays with the target's process
+    per_rank = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    processes = min(8, per_rank - 1)
+    for (sid, _), r in zip(records, render_many(records, tokenizer, max_len=cfg.max_len, processes=processes)):
+        if isinstance(r, BadRecord):
+            raise BadRecord(f"{data}:{sid + 1}: {r}")
         if r.truncated and cfg.drop_long:
             skipped["too long"] += 1
         elif int(r.loss_mask.sum()) < cfg.min_supervised:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extract.data import BadRecord, read_conversations, render
+from extract.data import BadRecord, read_conversations, render, render_many
 from tests.helpers import tiny_tokenizer
 
 
@@ -39,6 +40,27 @@ def test_loss_mask_token_by_token(tok):
     for a, b, m in spans:
         inside = any(text.find(x) <= a < text.find(x) + len(x) for x in ("four<|im_end|>\n", "eleven<|im_end|>\n"))
         assert bool(m) == inside, (text[a:b], m)
+
+
+def test_render_many_in_processes_equals_render_one_by_one(tok):
+    """The spawned-process path gives what render gives, record by record and in order, and hands
+    back a record's error in its place."""
+    records = [(i, [{"role": "user", "content": f"question {i} " * (i % 5 + 1)},
+                    {"role": "assistant", "content": f"answer {i} " * (i % 7 + 1)}]) for i in range(12)]
+    got = render_many(records, tok, max_len=40, processes=2, min_parallel=0)
+    assert len(got) == len(records)
+    for (sid, msgs), r in zip(records, got):
+        want = render(sid, msgs, tok, max_len=40)
+        assert (r.sample_id, r.truncated, r.prompt_key) == (want.sample_id, want.truncated, want.prompt_key)
+        assert r.input_ids.tolist() == want.input_ids.tolist() and r.loss_mask.tolist() == want.loss_mask.tolist()
+    assert any(r.truncated for r in got) and not all(r.truncated for r in got)
+    # a record that cannot be rendered comes back as its error, in its place
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    errors = render_many(records[:2], bare, max_len=40, processes=2, min_parallel=0)
+    with pytest.raises(BadRecord) as want_error:
+        render(0, records[0][1], bare, max_len=40)
+    assert [str(e) for e in errors] == [str(want_error.value)] * 2
 
 
 def test_truncation(tok):
