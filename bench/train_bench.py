@@ -71,7 +71,7 @@ def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: 
     micro = [s[0] for s in steps]
     micro = (micro * (count // max(1, len(micro)) + 1))[:count]
     settings = CollateSettings(tap_index=(0, 1, 2, 3, 4), num_stored_taps=5, num_anchors=anchors, block_size=16,
-                               mask_token_id=dc.mask_token_id, with_teacher=False)
+                               mask_token_id=dc.mask_token_id, with_last_hidden=False)
     return BatchDataset(store, micro, list(range(len(micro))), settings, seed=0, epoch=0, verify_shards=verify_shards)
 
 
@@ -82,7 +82,7 @@ def flops_per_step(dc: DrafterConfig, batch: dict, anchors_per_seq: int) -> floa
     t = int(batch["ctx_len"].sum())
     kv = 2 * h * dc.num_kv_heads * hd
     pos = int((batch["labels"] != -100).sum())
-    avg_visible = batch["taps"].shape[1] / 2 + dc.block_size
+    avg_visible = batch["hidden"].shape[1] / 2 + dc.block_size
     attn = 4 * q * avg_visible * dc.num_heads * hd * dc.num_layers * 3  # QK^T and PV, fwd + 2x bwd
     return 6 * q * layer * dc.num_layers + 6 * t * (5 * h * h + kv * dc.num_layers) + 4 * pos * dc.vocab_size * h + attn
 

@@ -98,8 +98,8 @@ class CollateSettings:
     num_anchors: int
     block_size: int
     mask_token_id: int
-    with_teacher: bool
-    """Also collate the final hidden state (the KL loss's teacher)."""
+    with_last_hidden: bool
+    """Also collate the final hidden state (the KL loss's teacher) for every block slot."""
 
 
 class BatchDataset(torch.utils.data.Dataset):
@@ -126,11 +126,13 @@ class BatchDataset(torch.utils.data.Dataset):
 
 
 def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors: int, block_size: int,
-            mask_token_id: int, generator: torch.Generator, with_teacher: bool) -> dict[str, torch.Tensor]:
-    """Pad a micro-batch: taps [b, T, K'*H], anchors [b, N], block ids/pos/labels [b, N*bs], teacher.
+            mask_token_id: int, generator: torch.Generator, with_last_hidden: bool) -> dict[str, torch.Tensor]:
+    """Pad a micro-batch into the batch keys: "hidden" [b, T, K'*H] (the taps chosen by tap_index),
+    "anchors" [b, N], "block_ids"/"block_pos"/"labels" [b, N*bs], "ctx_len" [b], and with
+    with_last_hidden "block_last_hidden" [b, N*bs, H] (the target's final state that teaches each slot).
 
-    Samples read with fp8 bits give taps as uint8 bits and "taps_scale" [b, T, K'] (float32, padding
-    0); to_device dequantizes them.
+    Samples read with fp8 bits give "hidden" as uint8 bits and "hidden_scale" [b, T, K'] (float32,
+    padding 0); to_device dequantizes them.
     """
     b, t = len(samples), max(len(s.input_ids) for s in samples)
     hsz = samples[0].hidden.shape[1] // num_stored_taps
@@ -140,29 +142,29 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
         a = sample_anchors(s.loss_mask, num_anchors, generator)
         per.append((a, *build_blocks(s.input_ids, s.loss_mask, a, block_size, mask_token_id)))
     n = max(max(len(p[0]) for p in per), 1)
-    taps = torch.zeros(b, t, len(tap_index) * hsz, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    hidden = torch.zeros(b, t, len(tap_index) * hsz, dtype=torch.uint8 if fp8 else torch.bfloat16)
     scales = torch.zeros(b, t, len(tap_index)) if fp8 else None
     anchors = torch.full((b, n), -1, dtype=torch.long)
     ids = torch.full((b, n * block_size), mask_token_id, dtype=torch.long)
     pos = torch.zeros(b, n * block_size, dtype=torch.long)
     labels = torch.full((b, n * block_size), IGNORE, dtype=torch.long)
-    teacher = torch.zeros(b, n * block_size, hsz, dtype=torch.bfloat16) if with_teacher else None
+    block_last = torch.zeros(b, n * block_size, hsz, dtype=torch.bfloat16) if with_last_hidden else None
     for j, (s, (a, bi, bp, bl)) in enumerate(zip(samples, per)):
         L, m = len(s.input_ids), len(a) * block_size
-        taps[j, :L] = s.hidden.view(L, num_stored_taps, hsz)[:, tap_index].reshape(L, -1)
+        hidden[j, :L] = s.hidden.view(L, num_stored_taps, hsz)[:, tap_index].reshape(L, -1)
         if scales is not None:
             scales[j, :L] = s.hidden_scale[:, tap_index]
         anchors[j, : len(a)] = a
         ids[j, :m], pos[j, :m], labels[j, :m] = bi, bp, bl
-        if teacher is not None and m:
+        if block_last is not None and m:
             # slot k (token p+k) is taught by the target's final state at p+k-1
-            teacher[j, :m] = s.last_hidden[(bp - 1).clamp(min=0, max=L - 1)]
-    out = {"taps": taps, "ctx_len": torch.tensor([len(s.input_ids) for s in samples]), "anchors": anchors,
+            block_last[j, :m] = s.last_hidden[(bp - 1).clamp(min=0, max=L - 1)]
+    out = {"hidden": hidden, "ctx_len": torch.tensor([len(s.input_ids) for s in samples]), "anchors": anchors,
            "block_ids": ids, "block_pos": pos, "labels": labels}
-    if teacher is not None:
-        out["teacher"] = teacher
+    if block_last is not None:
+        out["block_last_hidden"] = block_last
     if scales is not None:
-        out["taps_scale"] = scales
+        out["hidden_scale"] = scales
     return out
 
 
@@ -173,7 +175,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device,
     The training loop enqueues its steps ahead of the GPU. A copy on the compute stream waits behind
     the step before it (~170 MB of hidden states per 4096 tokens at the 8B shape, milliseconds). On a
     side stream it overlaps that step, and the compute stream waits only for the copy itself.
-    fp8 taps ("taps_scale" present) are dequantized to bf16 there too, after their copy.
+    fp8 hidden states ("hidden_scale" present) are dequantized to bf16 there too, after their copy.
     """
     if copy_stream is None:
         return _dequantized({k: v.to(device, non_blocking=True) for k, v in batch.items()})
@@ -187,9 +189,9 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device,
 
 
 def _dequantized(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp8 taps and their scales -> bf16 taps [b, T, K'*H], the values the host reader would give."""
-    if "taps_scale" not in batch:
+    """fp8 hidden states and their scales -> bf16 "hidden" [b, T, K'*H], what the host reader would give."""
+    if "hidden_scale" not in batch:
         return batch
-    scale = batch.pop("taps_scale")
-    batch["taps"] = fp8_dequantize(batch["taps"], scale).to(torch.bfloat16)
+    scale = batch.pop("hidden_scale")
+    batch["hidden"] = fp8_dequantize(batch["hidden"], scale).to(torch.bfloat16)
     return batch

@@ -44,7 +44,7 @@ class LossSettings:
 
 def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings) -> LossOut:
     """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU)."""
-    taps = batch["taps"]  # [b, T, K*H]
+    taps = batch["hidden"]  # [b, T, K*H]: the tapped layers' states
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
     mask = (flex_block_mask if loss.use_flex else dense_mask)(batch["anchors"], t, loss.block_size)
@@ -52,7 +52,7 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings) -> L
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
         return draft_loss(hidden, batch["labels"], core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
-                          teacher=batch.get("teacher"), kl_weight=loss.kl_weight, chunk=loss.chunk,
+                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, chunk=loss.chunk,
                           backward=loss.backward, compiled=loss.compiled)
 
 

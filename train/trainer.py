@@ -138,7 +138,7 @@ class Trainer:
             raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
         self.collate = CollateSettings(tap_index=tuple(tap_index), num_stored_taps=len(m.layer_ids),
                                        num_anchors=cfg.num_anchors, block_size=cfg.block_size,
-                                       mask_token_id=self.dc.mask_token_id, with_teacher=cfg.effective_kl_weight > 0)
+                                       mask_token_id=self.dc.mask_token_id, with_last_hidden=cfg.effective_kl_weight > 0)
         self.view = self._first_view()
         self.total = cfg.max_steps or max(1, self._steps_per_epoch() * cfg.epochs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))

@@ -102,16 +102,16 @@ def test_fp8_batches_stay_fp8_until_to_device_and_then_equal_the_host_decode(tmp
     m = make_manifest(dtype="fp8_e4m3", compression=compression)
     write_store(tmp_path / "s.zarr", range(12), m)
     micro = [[0, 5, 7], [3], [11, 2]]
-    kw = dict(tap_index=[1], num_stored_taps=2, num_anchors=4, block_size=4, mask_token_id=99, with_teacher=True)
+    kw = dict(tap_index=[1], num_stored_taps=2, num_anchors=4, block_size=4, mask_token_id=99, with_last_hidden=True)
     settings = CollateSettings(**{**kw, "tap_index": (1,)})
     ds = BatchDataset(str(tmp_path / "s.zarr"), micro, [0, 1, 2], settings, seed=3, epoch=1)
     reader = StoreReader(tmp_path / "s.zarr")
     for i, ids in enumerate(micro):
         item = ds[i]
-        assert item["taps"].dtype == torch.uint8 and item["taps_scale"].shape == (*item["taps"].shape[:2], 1)
+        assert item["hidden"].dtype == torch.uint8 and item["hidden_scale"].shape == (*item["hidden"].shape[:2], 1)
         got = to_device(item, torch.device("cpu"))
         g = torch.Generator().manual_seed((3 * 1_000_003 + 1) * 1_000_003 + i)
         want = collate(reader.get_batch(ids), generator=g, **kw)
-        assert "taps_scale" not in got and got.keys() == want.keys()
+        assert "hidden_scale" not in got and got.keys() == want.keys()
         for k in want:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def _batch(dc: DrafterConfig, g: torch.Generator) -> dict[str, torch.Tensor]:
     lens, bs, n = [300, 173], dc.block_size, 24
     t = max(lens)
-    out = {"taps": torch.randn(2, t, dc.num_taps * dc.hidden_size, generator=g).bfloat16(),
+    out = {"hidden": torch.randn(2, t, dc.num_taps * dc.hidden_size, generator=g).bfloat16(),
            "anchors": torch.full((2, n), -1, dtype=torch.long), "block_ids": torch.full((2, n * bs), dc.mask_token_id),
            "block_pos": torch.zeros(2, n * bs, dtype=torch.long), "labels": torch.full((2, n * bs), -100)}
     for j, L in enumerate(lens):
@@ -90,11 +90,11 @@ def test_fp8_taps_dequantized_on_the_side_stream_equal_the_host_decode(tmp_path)
 
     write_store(tmp_path / "s.zarr", range(8), make_manifest(dtype="fp8_e4m3"))
     settings = CollateSettings(tap_index=(1, 0), num_stored_taps=2, num_anchors=4, block_size=4, mask_token_id=99,
-                               with_teacher=False)
+                               with_last_hidden=False)
     ds = BatchDataset(str(tmp_path / "s.zarr"), [[0, 5, 7], [3]], [0, 1], settings, seed=0, epoch=0)
     side = torch.cuda.Stream()
     for i in range(len(ds)):
         item = ds[i]
         got = to_device({k: v.pin_memory() for k, v in item.items()}, torch.device("cuda"), side)
         want = to_device(item, torch.device("cpu"))
-        assert got["taps"].dtype == torch.bfloat16 and torch.equal(got["taps"].cpu(), want["taps"])
+        assert got["hidden"].dtype == torch.bfloat16 and torch.equal(got["hidden"].cpu(), want["hidden"])
