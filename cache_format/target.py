@@ -160,6 +160,26 @@ def capture(model: torch.nn.Module, layer_ids: list[int]) -> Iterator[dict[int, 
             h.remove()
 
 
+@contextmanager
+def stack_upto(model: torch.nn.Module, last_layer: int | None) -> Iterator[None]:
+    """Run the decoder stack only through layer `last_layer` (None: all of it) while inside.
+
+    Stage one without the final hidden state needs no layer above the last tap: for a 36-layer
+    target tapped up to layer 33 that is 2 of 36 layers' work, every batch. The stack's output
+    (and its final norm) is then that of the last layer run, which nothing reads. transformers'
+    decoders loop over `self.layers[:num_hidden_layers]`, so a shorter list is all it takes.
+    """
+    base, layers, _ = decoder_parts(model)
+    if last_layer is None or last_layer >= len(layers) - 1:
+        yield
+        return
+    base.layers = torch.nn.ModuleList(list(layers)[: last_layer + 1])
+    try:
+        yield
+    finally:
+        base.layers = layers
+
+
 def frozen_parts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What training needs of the target: input embedding, lm_head, final norm (+ its eps)."""
     _, _, norm = decoder_parts(model)

@@ -20,7 +20,7 @@ import torch
 
 from cache_format import ShardWriter
 from cache_format.codec import fp8_quantize
-from cache_format.target import capture, decoder_parts
+from cache_format.target import capture, decoder_parts, stack_upto
 from extract.data import Rendered
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter, WriteItem, write_rows
@@ -86,7 +86,8 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
         t.start()
     copy_stream = torch.cuda.Stream() if device.type == "cuda" and writers else None
     try:
-        with capture(model, layer_ids) as taps, torch.inference_mode():
+        upto = None if last_hidden else max(layer_ids)  # no layer above the last tap runs
+        with capture(model, layer_ids) as taps, stack_upto(model, upto), torch.inference_mode():
             for i, batch in enumerate(batches):
                 if failure:
                     break

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cache_format.schema import last_layer_refusal
-from cache_format.target import choose_mask_token, mask_token_of
-from tests.helpers import make_manifest, tiny_tokenizer
+from cache_format.target import capture, choose_mask_token, decoder_parts, mask_token_of, stack_upto
+from tests.helpers import make_manifest, tiny_target_dir, tiny_tokenizer
 
 
 def test_the_first_padding_row_when_the_embedding_has_more_rows_than_the_tokenizer():
@@ -39,3 +40,27 @@ def test_the_manifest_refuses_the_last_layer_and_a_mask_outside_the_vocabulary()
     assert "after the final norm" in last_layer_refusal(4)
     with pytest.raises(ValueError, match="mask_token_id 100 is outside"):
         make_manifest(mask_token_id=100)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_stack_cut_above_the_last_tap_gives_the_same_taps_and_runs_no_higher_layer(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir(tmp_path / "t", arch, num_layers=6)).eval()
+    _, layers, _ = decoder_parts(model)
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(layers)]
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states  # [embeddings, layer 0 out, ...]
+        ran.clear()
+        with capture(model, [0, 3]) as taps, stack_upto(model, 3):
+            model.model(input_ids=ids)
+    assert ran == [0, 1, 2, 3]
+    for lid in (0, 3):
+        assert torch.equal(taps[lid], hs[lid + 1])
+    assert decoder_parts(model)[1] is layers and len(layers) == 6  # the whole stack again afterwards
+    with stack_upto(model, 5):  # the last layer: nothing to cut
+        assert decoder_parts(model)[1] is layers
+    for h in hooks:
+        h.remove()

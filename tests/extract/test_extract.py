@@ -74,6 +74,13 @@ def test_taps_equal_output_hidden_states(tmp_path, arch, chats):
         # the final state is post-norm: lm_head of it gives the model's logits
         logits = t.model.lm_head(hs[-1][0])
         torch.testing.assert_close(logits, out.logits[0], atol=1e-4, rtol=1e-4)
+    # without the final state the stack stops at the last tap (layer 4 of 6): the same taps, exactly
+    cut = tmp_path / "cut.zarr"
+    run(_cfg(cut, target, chats, last_hidden=False))
+    full, short = content(store), content(cut)
+    assert sorted(full) == sorted(short)
+    for sid in full:
+        assert torch.equal(full[sid][2], short[sid][2]) and short[sid][3] is None
 
 
 def test_prompt_keys_group_responses_to_one_prompt(tmp_path, llama):
