@@ -10,7 +10,8 @@
 # dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the samples to extract,
 # default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 3600), LR (6e-4),
 # TLIM (seconds this call may train: train's --time-limit, default 480), VERIFY (train's
-# --verify-shards: auto, on or off), GGUF (default: the packaged
+# --verify-shards: auto, on or off), TRAIN_ARGS (more train options, e.g. "--num-layers 8
+# --intermediate-size 3072"), GGUF (default: the packaged
 # model, found by importlib); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS (1000, 6, 48, 16384).
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail
@@ -47,7 +48,7 @@ train)
   timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
     --store "$STORE" --out "$RUN" --max-steps "${STEPS:-3600}" --time-limit "${TLIM:-480}" --lr "${LR:-6e-4}" \
     --token-budget "${TOKENS:-16384}" --val-samples "${VAL:-1000}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-auto}" \
-    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" > "$W/train.log" 2>&1
+    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1
   echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
   grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | cut -c1-300;;

@@ -5,9 +5,11 @@ is retried, a server that stays down leaves an errors file and a nonzero exit, a
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -64,16 +66,23 @@ def test_a_server_killed_mid_run_is_retried(served, tmp_path):
     assert not (tmp_path / "x.jsonl.errors.jsonl").exists()  # no failure: no errors file
 
 
+def _down_url() -> str:
+    """The address of a server that is down: a port just freed, where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
 def test_failures_are_recorded_then_completed_by_a_rerun(served, tmp_path):
     out = tmp_path / "y.jsonl"
-    served.stop()
-    p = _cli(out, served, "--limit", "5", "--max-new-tokens", "8", "--retries", "1")
+    down = SimpleNamespace(url=_down_url(), model_dir=served.model_dir)  # no restart of the real one
+    p = _cli(out, down, "--limit", "5", "--max-new-tokens", "8", "--retries", "1")
     log = p.communicate(timeout=120)[0]
     assert p.returncode == 3 and "5 requests failed" in log, log
     errors = [json.loads(x) for x in (tmp_path / "y.jsonl.errors.jsonl").read_text().splitlines()]
     assert sorted(e["prompt_index"] for e in errors) == [0, 1, 2, 3, 4]
     assert all(e["attempts"] == 2 and "127.0.0.1" in e["error"] for e in errors)
-    served.start()
     p = _cli(out, served, "--limit", "5", "--max-new-tokens", "8", "--retries", "1")
     log = p.communicate(timeout=300)[0]
     assert p.returncode == 0, log
