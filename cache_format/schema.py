@@ -26,6 +26,7 @@ __all__ = [
     "bucket_of",
     "default_bucket_bounds",
     "default_rows_per_shard",
+    "check_layer_ids",
     "last_layer_refusal",
     "manifest_differences",
     "parse_layer_ids",
@@ -117,17 +118,9 @@ class Manifest:
                 f"store format_version {self.format_version} is not supported "
                 f"(this draftcache reads version {FORMAT_VERSION})"
             )
-        if not self.layer_ids:
-            raise ValueError("layer_ids must not be empty")
-        for lid in self.layer_ids:
-            if not 0 <= lid < self.target.num_layers:
-                raise ValueError(f"layer id {lid} out of range for a {self.target.num_layers}-layer target")
-            if lid == self.target.num_layers - 1:
-                raise ValueError(last_layer_refusal(self.target.num_layers))
+        check_layer_ids(self.layer_ids, self.target.num_layers)
         if not 0 <= self.mask_token_id < self.target.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.target.vocab_size - 1})")
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ValueError(f"layer_ids has duplicates: {list(self.layer_ids)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.compression not in COMPRESSIONS:
@@ -196,6 +189,21 @@ class Manifest:
 def default_rows_per_shard(hidden_size: int, num_taps: int) -> int:
     """Tokens per shard for about 64 MiB of bf16 hidden states (a multiple of 32, at least 32)."""
     return max(32, (64 << 20) // (2 * hidden_size * num_taps) // 32 * 32)
+
+
+def check_layer_ids(layer_ids, num_layers: int, target: str = "") -> None:
+    """ValueError unless `layer_ids` are distinct taps of a `num_layers`-layer target: each in
+    0..num_layers-2 (the last layer is refused, last_layer_refusal says why)."""
+    if not layer_ids:
+        raise ValueError("layer_ids must not be empty")
+    for lid in layer_ids:
+        if not 0 <= lid < num_layers:
+            raise ValueError(f"layer id {lid} out of range: target {target + ' ' if target else ''}has {num_layers} "
+                             f"layers (0..{num_layers - 1})")
+        if lid == num_layers - 1:
+            raise ValueError(last_layer_refusal(num_layers))
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"layer_ids has duplicates: {list(layer_ids)}")
 
 
 def last_layer_refusal(num_layers: int) -> str:

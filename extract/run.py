@@ -31,7 +31,7 @@ from cache_format import (
 from cache_format.checksums import record_checksums, sha256_file
 from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
-from cache_format.schema import default_bucket_bounds, default_rows_per_shard, last_layer_refusal
+from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
 from cache_format.target import frozen_parts, load_target, mask_token_of
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, read_conversations, render_many
@@ -150,11 +150,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     target = load_target(cfg.target, device=device)
     n_layers = target.info.num_layers
     layer_ids = list(cfg.layers) or dflash_layer_ids(n_layers, cfg.num_taps)
-    for lid in layer_ids:
-        if not 0 <= lid < n_layers:
-            raise ValueError(f"layer id {lid} out of range: target {target.info.name} has {n_layers} layers (0..{n_layers - 1})")
-        if lid == n_layers - 1:
-            raise ValueError(last_layer_refusal(n_layers))
+    check_layer_ids(layer_ids, n_layers, target.info.name)
     data = cfg.data or _default_data(cfg, world)
     skipped: Counter = Counter()
     samples = _render_all(cfg, data, target.tokenizer, skipped)

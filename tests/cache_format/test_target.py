@@ -40,6 +40,10 @@ def test_the_manifest_refuses_the_last_layer_and_a_mask_outside_the_vocabulary()
     assert "after the final norm" in last_layer_refusal(4)
     with pytest.raises(ValueError, match="mask_token_id 100 is outside"):
         make_manifest(mask_token_id=100)
+    for ids, msg in (((0, 4), r"layer id 4 out of range: target has 4 layers \(0\.\.3\)"), ((1, 1), "duplicates"),
+                     ((-1,), "layer id -1 out of range"), ((), "must not be empty")):
+        with pytest.raises(ValueError, match=msg):
+            make_manifest(layer_ids=ids)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
