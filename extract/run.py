@@ -12,7 +12,6 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
 from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
 from cache_format.target import frozen_parts, load_target, mask_token_of
+from cache_format.world import World
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, read_conversations, render_many
 from extract.pipeline import ring_fields, run_batches
@@ -40,27 +40,10 @@ from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
 
-__all__ = ["World", "run"]
+__all__ = ["run"]
 
 DEFAULT_DATA_DIR = "data"
 DEFAULT_MAX_NEW_TOKENS = 96
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> World:
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                   int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def _barrier(world: World) -> None:
-    if world.world_size > 1:
-        dist.barrier()
 
 
 def default_data_path(cfg: ExtractConfig) -> Path:
@@ -86,16 +69,16 @@ def _default_data(cfg: ExtractConfig, world: World) -> str:
         regenerate(out=str(tmp), target=cfg.target, limit=cfg.limit or 64, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
                    seed=cfg.seed)
         os.replace(tmp, path)
-    _barrier(world)
+    world.barrier()
     return str(path)
 
 
-def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter) -> list[Rendered]:
+def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter, world: World) -> list[Rendered]:
     bad: list[str] = []
     out = []
     records = list(read_conversations(data, skip_bad=cfg.skip_bad, limit=cfg.limit, bad=bad))
     # the ranks of one host share its cores; one core per rank stays with the target's process
-    per_rank = (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    per_rank = (os.cpu_count() or 1) // max(1, world.local_world_size)
     processes = min(8, per_rank - 1)
     for (sid, _), r in zip(records, render_many(records, tokenizer, max_len=cfg.max_len, processes=processes)):
         if isinstance(r, BadRecord):
@@ -114,17 +97,13 @@ def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter) -> l
 def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
     """Extract `cfg.data` into `cfg.store`; returns the closing summary (rank 0's is complete)."""
     world = world or World.from_env()
-    device = torch.device(f"cuda:{world.local_rank}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = world.join()
     t0 = time.time()
     # one writing run per store: refused at once, before the target loads (cache_format/lock.py)
     lock = StoreLock(cfg.store, world.rank)
     if world.rank == 0:
         lock.acquire()
-    _barrier(world)
+    world.barrier()
     if world.rank != 0:
         lock.acquire()
     try:
@@ -153,7 +132,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     check_layer_ids(layer_ids, n_layers, target.info.name)
     data = cfg.data or _default_data(cfg, world)
     skipped: Counter = Counter()
-    samples = _render_all(cfg, data, target.tokenizer, skipped)
+    samples = _render_all(cfg, data, target.tokenizer, skipped, world)
     if not samples:
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none rendered"
         raise ValueError(f"{data}: no usable samples ({why})")
@@ -179,7 +158,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
         record_checksums(cfg.store, manifest, finalized=False)  # the files just written
-    _barrier(world)
+    world.barrier()
     fp8 = cfg.dtype == "fp8_e4m3"
     ring = HostRing(cfg.queue_batches, cfg.token_budget,
                     ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0, fp8),
@@ -234,5 +213,5 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
             "buckets": {f"{b['lo']}-{b['hi']}": b["num_samples"] for b in info["buckets"]},
             "layer_ids": layer_ids, "wall_s": time.time() - t0,
         }
-    _barrier(world)
+    world.barrier()
     return summary

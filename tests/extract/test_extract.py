@@ -16,8 +16,9 @@ import torch
 
 from cache_format import CacheFormatError, ManifestMismatchError, StoreReader
 from cache_format.inspect import verify_store
+from cache_format.world import World
 from extract.config import ExtractConfig
-from extract.run import World, run
+from extract.run import run
 from tests.helpers import tiny_target_dir, write_chats
 
 ROOT = Path(__file__).resolve().parents[2]
