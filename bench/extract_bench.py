@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--variants", default="thread:2",
                     help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
     ap.add_argument("--profile", type=int, default=0, help="profile this many store batches; print the top ops")
+    ap.add_argument("--full-stack", action="store_true",
+                    help="also time the bare forward through every layer (what ran before the stack stopped at the "
+                    "last tap when the final hidden state is not stored)")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = random_target(a.shape, dev)
@@ -60,13 +63,20 @@ def main() -> None:
     run_batches(model, layer_ids, batches[a.warmup:], [], None, last_hidden=a.last_hidden)
     sync()
     bare = tokens / (time.perf_counter() - t0)
+    full = None
+    if a.full_stack:
+        t0 = time.perf_counter()
+        run_batches(model, layer_ids, batches[a.warmup:], [], None, last_hidden=a.last_hidden, stop_at_last_tap=False)
+        sync()
+        full = tokens / (time.perf_counter() - t0)
     for variant in a.variants.split(","):
         writer, n = variant.split(":")
         with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens)
         print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                           "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "dtype": a.dtype, "slots": a.queue_batches,
                           "batches": a.batches, "layer_ids": layer_ids,
-                          "bare_tok_s": bare, "store_tok_s": with_store, "ratio": with_store / bare,
+                          "bare_tok_s": bare, "bare_full_stack_tok_s": full, "store_tok_s": with_store,
+                          "ratio": with_store / bare,
                           "store_write_gbps": with_store * bytes_tok / 1e9, "bytes_per_token": bytes_tok}), flush=True)
     if a.profile:
         profile_store(a, model, layer_ids, batches[a.warmup: a.warmup + a.profile], a.variants.split(",")[0], dev)

@@ -44,13 +44,15 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
                 writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *, last_hidden: bool,
-                fp8: bool = False, on_batch: Callable[[int], None] = lambda n: None) -> Counter:
+                fp8: bool = False, on_batch: Callable[[int], None] = lambda n: None,
+                stop_at_last_tap: bool = True) -> Counter:
     """Extract every batch; returns counts of refused samples. Closes the writers.
 
     fp8 quantizes the taps on the device (ring field "hidden" holds the bits, "hidden_scale" the
     per-token-per-layer scales), which halves the copy and keeps the host free of float maths.
     No writers (and no ring) runs the bare forward: same hooks, concatenation and finiteness
-    check, no host copy, no store.
+    check, no host copy, no store. Without last_hidden the stack stops at the last tap
+    (stop_at_last_tap=False runs every layer, as before; for comparisons).
     """
     device = next(model.parameters()).device
     base, _, _ = decoder_parts(model)
@@ -86,7 +88,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
         t.start()
     copy_stream = torch.cuda.Stream() if device.type == "cuda" and writers else None
     try:
-        upto = None if last_hidden else max(layer_ids)  # no layer above the last tap runs
+        upto = max(layer_ids) if stop_at_last_tap and not last_hidden else None  # no layer above it runs
         with capture(model, layer_ids) as taps, stack_upto(model, upto), torch.inference_mode():
             for i, batch in enumerate(batches):
                 if failure:
