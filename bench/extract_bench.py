@@ -24,7 +24,7 @@ from bench.common import SHAPES, random_target, synthetic_manifest
 from cache_format import ShardWriter, create_store, finalize_store
 from cache_format.schema import default_rows_per_shard
 from extract.data import Rendered
-from extract.pipeline import ring_fields, run_batches
+from extract.pipeline import compile_decoder, ring_fields, run_batches
 from extract.plan import dflash_layer_ids
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
@@ -44,12 +44,15 @@ def main() -> None:
     ap.add_argument("--variants", default="thread:2",
                     help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
     ap.add_argument("--profile", type=int, default=0, help="profile this many store batches; print the top ops")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (extract --compile)")
     ap.add_argument("--full-stack", action="store_true",
                     help="also time the bare forward through every layer (what ran before the stack stopped at the "
                     "last tap when the final hidden state is not stored)")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = random_target(a.shape, dev)
+    if a.compile:
+        compile_decoder(model)
     layer_ids = dflash_layer_ids(model.config.num_hidden_layers, 5)
     g = torch.Generator().manual_seed(0)
     batches = [[Rendered(b * a.batch + j, torch.randint(0, model.config.vocab_size, (a.seq,), generator=g),

@@ -47,6 +47,9 @@ class ExtractConfig:
     writers: int = 3
     """Store writers per rank, sharing every batch, each committing its own shards (writer id
     rank*writers+w)."""
+    compile: bool = False
+    """torch.compile each target decoder layer (shapes dynamic: the token-budget batches vary);
+    the taps agree with the eager layers' within rounding."""
     skip_bad: bool = False
     """Count and skip malformed JSON lines instead of stopping at the first."""
     overwrite: bool = False

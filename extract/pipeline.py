@@ -170,6 +170,15 @@ def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tenso
     return fields, small
 
 
+def compile_decoder(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer's forward in place. The capture hooks run in the module call
+    around it, outside the compiled graphs; dynamic shapes, since the token-budget plan gives
+    batches of many sizes and lengths."""
+    _, layers, _ = decoder_parts(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
 def ring_fields(width: int, num_taps: int, last_width: int, fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
     """The HostRing fields that run_batches fills for these shapes."""
     fields = {"hidden": (width, torch.uint8 if fp8 else torch.bfloat16)}

@@ -35,7 +35,7 @@ from cache_format.target import frozen_parts, load_target, mask_token_of
 from cache_format.world import World
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, read_conversations, render_many
-from extract.pipeline import ring_fields, run_batches
+from extract.pipeline import compile_decoder, ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
@@ -127,6 +127,8 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
         _check_data_file(cfg.data)
     # ------------------------------------------------------------------ target and data
     target = load_target(cfg.target, device=device)
+    if cfg.compile:
+        compile_decoder(target.model)
     n_layers = target.info.num_layers
     layer_ids = list(cfg.layers) or dflash_layer_ids(n_layers, cfg.num_taps)
     check_layer_ids(layer_ids, n_layers, target.info.name)

@@ -371,3 +371,29 @@ def test_target_without_tokenizer_and_empty_data_are_one_line(tmp_path, llama, c
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 2 and f"error: {empty}: the data file holds no records" in out, out
     assert not (tmp_path / "s2.zarr").exists()
+
+
+def test_compiled_decoder_gives_the_eager_taps(tmp_path):
+    """extract --compile: one dynamic-shape graph serves every layer and batch shape; the taps agree
+    with the eager layers' (float32 on the CPU: within rounding of the fused kernels)."""
+    from transformers import AutoModelForCausalLM
+
+    from cache_format.target import capture
+    from extract.pipeline import compile_decoder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir(tmp_path / "t", "qwen3", num_layers=4)).eval()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 100, shape, generator=g) for shape in ((2, 9), (3, 17))]
+    with torch.no_grad(), capture(model, [0, 2]) as taps:
+        eager = []
+        for ids in batches:
+            model.model(input_ids=ids, use_cache=False)
+            eager.append({k: v.clone() for k, v in taps.items()})
+        compile_decoder(model)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for ids, want in zip(batches, eager):
+            taps.clear()
+            model.model(input_ids=ids, use_cache=False)
+            for k in want:
+                torch.testing.assert_close(taps[k], want[k], rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs  # it did compile
