@@ -32,6 +32,18 @@ from extract.writer_process import ProcessWriter
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    a = _args(ap)
+    if a.sdpa == "auto":
+        return measure(a)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[a.sdpa]
+    with sdpa_kernel([backend]):
+        measure(a)
+
+
+def _args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     ap.add_argument("--store", default="/dev/shm/draftcache_extract_bench.zarr")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--batches", type=int, default=20)
@@ -45,10 +57,15 @@ def main() -> None:
                     help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
     ap.add_argument("--profile", type=int, default=0, help="profile this many store batches; print the top ops")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (extract --compile)")
+    ap.add_argument("--sdpa", default="auto", choices=["auto", "flash", "efficient", "cudnn", "math"],
+                    help="the scaled-dot-product attention backend every run is held to (auto: torch's choice)")
     ap.add_argument("--full-stack", action="store_true",
                     help="also time the bare forward through every layer (what ran before the stack stopped at the "
                     "last tap when the final hidden state is not stored)")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure(a: argparse.Namespace) -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = random_target(a.shape, dev)
     if a.compile:
@@ -76,6 +93,7 @@ def main() -> None:
         writer, n = variant.split(":")
         with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens)
         print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                          "compile": a.compile, "sdpa": a.sdpa,
                           "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "dtype": a.dtype, "slots": a.queue_batches,
                           "batches": a.batches, "layer_ids": layer_ids,
                           "bare_tok_s": bare, "bare_full_stack_tok_s": full, "store_tok_s": with_store,
