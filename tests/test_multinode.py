@@ -4,7 +4,6 @@ same store and the same training result as one node."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from extract.config import ExtractConfig
+from extract.local_server import free_port
 from extract.run import run as extract
 from tests.extract.test_extract import assert_same_content, content
 from tests.helpers import tiny_target_dir, write_chats
@@ -23,14 +23,8 @@ from train.trainer import train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_nodes(module_args: list[str]) -> None:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dc-test",

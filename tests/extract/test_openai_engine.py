@@ -5,7 +5,6 @@ is retried, a server that stays down leaves an errors file and a nonzero exit, a
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from extract.local_server import LocalServer
+from extract.local_server import LocalServer, free_port
 from extract.regenerate import regenerate
 
 pytestmark = pytest.mark.slow
@@ -66,17 +65,10 @@ def test_a_server_killed_mid_run_is_retried(served, tmp_path):
     assert not (tmp_path / "x.jsonl.errors.jsonl").exists()  # no failure: no errors file
 
 
-def _down_url() -> str:
-    """The address of a server that is down: a port just freed, where nothing listens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
-
-
 def test_failures_are_recorded_then_completed_by_a_rerun(served, tmp_path):
     out = tmp_path / "y.jsonl"
-    down = SimpleNamespace(url=_down_url(), model_dir=served.model_dir)  # no restart of the real one
+    # a server that is down: a port just freed, where nothing listens (no restart of the real one)
+    down = SimpleNamespace(url=f"http://127.0.0.1:{free_port()}/v1", model_dir=served.model_dir)
     p = _cli(out, down, "--limit", "5", "--max-new-tokens", "8", "--retries", "1")
     log = p.communicate(timeout=120)[0]
     assert p.returncode == 3 and "5 requests failed" in log, log
