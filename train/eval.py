@@ -10,6 +10,8 @@ export as a user loads it (AutoModel, trust_remote_code, bf16 weights). Reports 
 target forward, bonus included), the acceptance histogram, speedup, and `lossless`: every DFlash
 output identical to the target's own greedy output. The target runs in --dtype (float32 by
 default): in bfloat16 argmax ties flip with batch shape, so the check is exact only in float32.
+--teacher-forced adds the drafter's acceptance at every anchor of the target's greedy output
+(train.acceptance): sim_tau's counterpart on these prompts, and the decode that it implies.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import click
 import torch
 
+from train.acceptance import decode_chain, teacher_forced_accepts
 from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.export import hf_drafter
 from train.spec_decode import target_generate
@@ -73,9 +76,11 @@ def _drafters(run: str, checkpoint: str, export: str) -> tuple[dict[str, Any], d
 
 
 def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: str = "default", limit: int = 0,
-             max_new_tokens: int = 128, target: str = "", dtype: str = "float32") -> dict[str, Any]:
+             max_new_tokens: int = 128, target: str = "", dtype: str = "float32",
+             teacher_forced: bool = False) -> dict[str, Any]:
     """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
-    with both, the export's figures sit under "export" beside the checkpoint's."""
+    with both, the export's figures sit under "export" beside the checkpoint's. teacher_forced:
+    also the acceptance at every anchor of the greedy output (see train.acceptance)."""
     from cache_format.target import load_target
 
     if not run and not export:
@@ -109,6 +114,8 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
             hist[which].update(spec["accepted"])
             rows[which].append({"prompt": name, "new_tokens": len(new), "target_forwards": spec["target_forwards"],
                                 "tau": len(new) / spec["target_forwards"], "lossless": new == base.tokens})
+            if teacher_forced:
+                rows[which][-1].update(_teacher_forced_row(drafter, model, ids, base.tokens, spec["accepted"]))
         box, h = _count_forwards(model)
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -140,6 +147,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
             "baseline_prompt_lookup_speedup": (base_s / max(pl_s, 1e-9)) * (pl_tokens / max(1, new_tokens)),
             "acceptance_histogram": {str(k): hist[which][k] for k in sorted(hist[which])},
             **_by_source(r),
+            **({"teacher_forced": _teacher_forced(r)} if teacher_forced else {}),
             "device": str(device),
             "prompts": r,
         }
@@ -151,12 +159,43 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     return {**res["export"], "export_path": export}
 
 
+def _teacher_forced_row(drafter, target, prompt: list[int], new: list[int], decoded: list[int]) -> dict[str, Any]:
+    """One prompt's teacher-forced figures: the summed acceptance (bonus included) over the anchors
+    with a whole block of the greedy output ahead, their count, and the decode the acceptances imply."""
+    acc = teacher_forced_accepts(drafter, target, prompt, new)
+    full = [a + 1 for j, a in enumerate(acc) if j + drafter.block_size <= len(new)]
+    chain = decode_chain(acc, len(new))
+    return {"tf_anchor_sum": sum(full), "tf_anchors": len(full), "tf_chain_forwards": len(chain),
+            "tf_chain_equals_decode": chain == list(decoded)}
+
+
+def _teacher_forced(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """τ at every anchor (sim_tau's counterpart), overall and per domain; τ of the implied decode,
+    and the share of prompts whose implied decode took exactly decoding's steps."""
+    from cache_format.prompts import domain_of
+
+    dom: dict[str, list[int]] = {}
+    for r in rows:
+        d = dom.setdefault(domain_of(_source(r["prompt"])), [0, 0])
+        d[0] += r["tf_anchor_sum"]
+        d[1] += r["tf_anchors"]
+    return {"tau_all_anchors": sum(r["tf_anchor_sum"] for r in rows) / max(1, sum(r["tf_anchors"] for r in rows)),
+            "anchors": sum(r["tf_anchors"] for r in rows),
+            "tau_all_anchors_by_domain": {k: v[0] / max(1, v[1]) for k, v in dom.items()},
+            "tau_chain": sum(r["new_tokens"] for r in rows) / max(1, sum(r["tf_chain_forwards"] for r in rows)),
+            "chain_equals_decode": sum(r["tf_chain_equals_decode"] for r in rows) / max(1, len(rows))}
+
+
+def _source(name: str) -> str:
+    """A prompt's source: "gsm8k/3" -> "gsm8k", "file.jsonl:7" -> "file.jsonl"."""
+    return name.rsplit(":", 1)[0] if ":" in name else name.split("/")[0]
+
+
 def _by_source(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """τ per prompt source ("gsm8k/3" -> "gsm8k", "file.jsonl:7" -> "file.jsonl"), token-weighted like the overall τ."""
     acc: dict[str, list[int]] = {}
     for r in rows:
-        name = r["prompt"]
-        a = acc.setdefault(name.rsplit(":", 1)[0] if ":" in name else name.split("/")[0], [0, 0, 0, 0])
+        a = acc.setdefault(_source(r["prompt"]), [0, 0, 0, 0])
         a[0] += r["new_tokens"]
         a[1] += r["target_forwards"]
         a[2] += r["prompt_lookup_new_tokens"]
@@ -204,6 +243,8 @@ def _plot(res: dict[str, Any], path: Path) -> None:
 @click.option("--target", default="", help="Override the target path recorded in the run.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Target dtype; the lossless check is exact only in float32 (bf16 argmax ties flip).")
+@click.option("--teacher-forced", is_flag=True, help="Also draft at every anchor of the target's greedy output: "
+              "sim_tau's counterpart on these prompts, and the decode it implies (train.acceptance).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def main(as_json: bool, **kw) -> None:
     """Speculative decoding with the drafter against the real target: τ, speedup, lossless."""
@@ -228,6 +269,11 @@ def main(as_json: bool, **kw) -> None:
     by = ", ".join(f"{k} {v:.3f} (prompt lookup {res['prompt_lookup_tau_by_domain'][k]:.3f})"
                    for k, v in res["tau_by_domain"].items())
     click.echo(f"tau by domain: {by}")
+    if "teacher_forced" in res:
+        t = res["teacher_forced"]
+        click.echo(f"teacher-forced: tau {t['tau_all_anchors']:.3f} at all {t['anchors']} anchors "
+                   f"({', '.join(f'{k} {v:.3f}' for k, v in t['tau_all_anchors_by_domain'].items())}); "
+                   f"implied decode tau {t['tau_chain']:.3f}, same steps as decoding in {t['chain_equals_decode']:.0%} of prompts")
     if "export" in res:
         e = res["export"]
         click.echo(f"export {e['path']} ({e['drafter_dtype']} weights, as served): tau {e['tau']:.3f}, "

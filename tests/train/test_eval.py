@@ -70,7 +70,7 @@ def _eval(run, prompts, *extra):
 
 def test_overfit_drafter_tau_above_one_and_lossless(trained):
     _, prompts, run = trained
-    res = _eval(run, prompts)
+    res = _eval(run, prompts, "--teacher-forced")
     for key in ("tau", "lossless", "num_prompts", "new_tokens", "speedup", "baseline_prompt_lookup_tau",
                 "acceptance_histogram"):
         assert key in res
@@ -78,6 +78,11 @@ def test_overfit_drafter_tau_above_one_and_lossless(trained):
     assert res["tau"] > 1.5, res
     assert sum(int(k) * v for k, v in res["acceptance_histogram"].items()) == res["new_tokens"]
     assert list(res["tau_by_source"]) == [prompts] and abs(res["tau_by_source"][prompts] - res["tau"]) < 1e-9
+    # drafting at every anchor of the greedy output, then walking those acceptances as decoding
+    # does, takes decoding's own steps (float32: the context computed at once equals it built up)
+    tf = res["teacher_forced"]
+    assert tf["chain_equals_decode"] == 1.0 and abs(tf["tau_chain"] - res["tau"]) < 1e-9, tf
+    assert tf["anchors"] == 6 * (24 - 4 + 1) and 1.0 <= tf["tau_all_anchors"] <= 4.0, tf
     assert abs(res["prompt_lookup_tau_by_source"][prompts] - res["baseline_prompt_lookup_tau"]) < 1e-9
 
 

@@ -1,0 +1,38 @@
+"""The decode implied by per-anchor acceptances, against a loop that decodes as spec_generate does."""
+
+from __future__ import annotations
+
+import random
+
+from train.acceptance import decode_chain, leading_matches
+
+
+def _decode_like_spec_generate(accepts: list[int], new_tokens: int) -> list[int]:
+    """spec_generate's loop with the drafter replaced by its known acceptance at each anchor."""
+    tokens, accepted = [0], [1]  # the prefill emits the first token
+    while len(tokens) < new_tokens:
+        j = len(tokens) - 1  # the anchor: the last emitted token
+        new = list(range(accepts[j] + 1))[: new_tokens - len(tokens)]  # accepted drafts + the bonus
+        tokens += new
+        accepted.append(len(new))
+    return accepted
+
+
+def test_decode_chain_equals_the_decoding_loop():
+    rng = random.Random(0)
+    for _ in range(500):
+        n = rng.randint(1, 60)
+        bs = rng.choice([2, 4, 8, 16])
+        # an acceptance never runs past the known output: at most bs-1, at most what follows the anchor
+        accepts = [min(rng.randint(0, bs - 1), n - 1 - j) for j in range(n)]
+        steps = decode_chain(accepts, n)
+        assert steps == _decode_like_spec_generate(accepts, n)
+        assert sum(steps) == n
+    assert decode_chain([], 0) == []
+
+
+def test_leading_matches():
+    assert leading_matches([1, 2, 3], [1, 2, 4]) == 2
+    assert leading_matches([5, 2], [1, 2]) == 0
+    assert leading_matches([1, 2, 3], [1, 2]) == 2  # the known output ends
+    assert leading_matches([], [1]) == 0

@@ -1,0 +1,86 @@
+"""Teacher-forced acceptance along a known greedy continuation, and the decode that it implies.
+
+Training reports sim_tau: the drafter's expected acceptance at anchors drawn uniformly over the
+responses. Speculative decoding does not visit anchors uniformly: after a rejection the next anchor
+is the token the drafter just got wrong, a harder place than average. To tell that selection apart
+from a difference of data, `train.eval --teacher-forced` drafts a block at *every* anchor of the
+target's own greedy continuation of each held-out prompt:
+
+- the mean over all anchors (with a full block ahead) is sim_tau's counterpart on those prompts;
+- `decode_chain` walks the same per-anchor acceptances the way decoding does (accept, jump past
+  the accepted tokens and the bonus token, draft again) and gives decoding's τ back, which checks
+  that the two paths agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["decode_chain", "leading_matches", "teacher_forced_accepts"]
+
+
+def leading_matches(draft: list[int], truth: list[int]) -> int:
+    """How many draft tokens match `truth` from the start (at most len(truth))."""
+    n = 0
+    for d, t in zip(draft, truth):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+def decode_chain(accepts: list[int], new_tokens: int) -> list[int]:
+    """Tokens emitted per target forward when decoding walks the per-anchor acceptances.
+
+    accepts[j] is the number of draft tokens accepted at the anchor new[j] (the j-th generated
+    token, known once the forward before it is verified). The prefill's forward emits new[0]; each
+    later forward at anchor j emits the accepted drafts and the target's own next token, capped at
+    what is left, and the next anchor is the last token emitted. len(result) is the number of
+    target forwards; sum(result) == new_tokens.
+    """
+    if new_tokens <= 0:
+        return []
+    steps, j = [1], 0
+    while j < new_tokens - 1:
+        e = min(accepts[j] + 1, new_tokens - 1 - j)
+        steps.append(e)
+        j += e
+    return steps
+
+
+@torch.inference_mode()
+def teacher_forced_accepts(drafter, target, prompt: list[int], new: list[int]) -> list[int]:
+    """Accepted draft tokens at each anchor new[j], j < len(new) - 1, with the context as decoding
+    has it there (the target's tapped states of every position before the anchor).
+
+    drafter: an exported DFlashDraftModel (context_kv, forward, block_size, mask_token_id,
+    target_layer_ids); target: the HF causal LM it drafts for. One target forward over prompt + new;
+    then one drafter forward per anchor.
+    """
+    dev = next(target.parameters()).device
+    seq = torch.tensor([prompt + new], device=dev)  # [1, L]
+    taps: dict[int, torch.Tensor] = {}
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    hooks = [decoder.layers[i].register_forward_hook(
+        lambda _m, _a, o, i=i: taps.__setitem__(i, o[0] if isinstance(o, tuple) else o))
+        for i in drafter.target_layer_ids]
+    try:
+        target(seq)
+    finally:
+        for h in hooks:
+            h.remove()
+    x = torch.cat([taps[i] for i in drafter.target_layer_ids], dim=-1)  # [1, L, K*H]
+    ctx = drafter.context_kv(x, torch.arange(x.shape[1], device=dev)[None])  # per layer (k, v) [1, nkv, L, hd]
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    bs, p = drafter.block_size, len(prompt)
+    out = []
+    for j in range(len(new) - 1):
+        n = p + j  # the anchor's position; its context is positions 0..n-1
+        block = torch.full((1, bs), drafter.mask_token_id, device=dev)
+        block[0, 0] = new[j]
+        hid = drafter(F.embedding(block, embed), torch.arange(n, n + bs, device=dev)[None],
+                      [(k[:, :, :n], v[:, :, :n]) for k, v in ctx])  # [1, bs, H]
+        draft = (hid[0, 1:] @ head.to(hid.dtype).T).argmax(-1).tolist()  # [bs-1]
+        out.append(leading_matches(draft, new[j + 1: j + bs]))
+    return out
