@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from cache_format.checksums import sha256_file
+from cache_format.converted import read_entry, write_entry, write_hf_dir
 from cache_format.errors import brief
 from cache_format.schema import TargetInfo
 
@@ -112,6 +113,10 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
         raise ValueError(f"target {path} does not exist")
     sha = target_sha256(str(path))  # also refuses what is neither a .gguf file nor an HF directory
     gguf = path.suffix == ".gguf" and path.is_file()
+    if gguf and dtype == torch.float32:  # a float32 GGUF load reads, or else writes, its converted form
+        hit = _from_converted(path, sha, device)
+        if hit is not None:
+            return hit
     kw = {"local_files_only": True, **({"gguf_file": path.name} if gguf else {})}
     where = str(path.parent if gguf else path)
     try:
@@ -119,17 +124,40 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
     except Exception as e:  # noqa: BLE001 - transformers raises many types, often with multi-line text
         raise ValueError(f"target {path}: cannot load its tokenizer ({brief(e)})") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).eval()
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"target {path}: cannot load the model ({brief(e)})") from None
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    tok_sha = tokenizer_sha256(tok)
+    if gguf and dtype == torch.float32:
+        write_entry(sha, model, tok, config, tok_sha)
+    return _loaded(path, sha, model.to(device), tok, config, tok_sha)
+
+
+def _loaded(path: Path, sha: str, model, tok, config: dict, tok_sha: str) -> LoadedTarget:
     model.requires_grad_(False)
     cfg = model.config
-    info = TargetInfo(
-        name=str(path), sha256=sha, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        vocab_size=model.get_input_embeddings().weight.shape[0],
-        config=json.loads(cfg.to_json_string(use_diff=False)),
-    )
-    return LoadedTarget(model, tok, info, tokenizer_sha256(tok))
+    info = TargetInfo(name=str(path), sha256=sha, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                      vocab_size=model.get_input_embeddings().weight.shape[0], config=config)
+    return LoadedTarget(model, tok, info, tok_sha)
+
+
+def _from_converted(path: Path, sha: str, device: torch.device) -> LoadedTarget | None:
+    """The target from its converted form (cache_format.converted), or None to convert it again."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    entry = read_entry(sha)
+    if entry is None:
+        return None
+    d, rec = entry
+    try:
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        if tokenizer_sha256(tok) != rec["tokenizer_sha256"]:
+            return None
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True).eval()
+    except Exception:  # noqa: BLE001 - a damaged entry only costs a conversion
+        return None
+    return _loaded(path, sha, model.to(device), tok, rec["config"], rec["tokenizer_sha256"])
 
 
 def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
@@ -193,14 +221,7 @@ def frozen_parts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_hf_dir(spec: str, out: str | Path) -> str:
     """Write the target as a plain HF directory (float32 safetensors, config with `architectures`,
     tokenizer): the form servers load that cannot take a GGUF's own config (`transformers serve`
-    needs `architectures`, and transformers will not re-save a GGUF-quantized model as it is)."""
+    needs `architectures`)."""
     t = load_target(spec, device=torch.device("cpu"), dtype=torch.float32)
-    d = t.model.config.to_dict()
-    d.pop("quantization_config", None)
-    cfg = type(t.model.config)(**d)
-    cfg.architectures = [type(t.model).__name__]
-    model = type(t.model)(cfg)
-    model.load_state_dict(t.model.state_dict())
-    model.save_pretrained(str(out))
-    t.tokenizer.save_pretrained(str(out))
+    write_hf_dir(t.model, t.tokenizer, out)
     return str(out)
