@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cache_format.target import capture
+
 __all__ = ["decode_chain", "leading_matches", "teacher_forced_accepts"]
 
 
@@ -60,16 +62,8 @@ def teacher_forced_accepts(drafter, target, prompt: list[int], new: list[int]) -
     """
     dev = next(target.parameters()).device
     seq = torch.tensor([prompt + new], device=dev)  # [1, L]
-    taps: dict[int, torch.Tensor] = {}
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
-    hooks = [decoder.layers[i].register_forward_hook(
-        lambda _m, _a, o, i=i: taps.__setitem__(i, o[0] if isinstance(o, tuple) else o))
-        for i in drafter.target_layer_ids]
-    try:
+    with capture(target, drafter.target_layer_ids) as taps:  # {layer id: [1, L, H]}
         target(seq)
-    finally:
-        for h in hooks:
-            h.remove()
     x = torch.cat([taps[i] for i in drafter.target_layer_ids], dim=-1)  # [1, L, K*H]
     ctx = drafter.context_kv(x, torch.arange(x.shape[1], device=dev)[None])  # per layer (k, v) [1, nkv, L, hd]
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
