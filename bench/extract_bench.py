@@ -109,11 +109,20 @@ def profile_store(a, model, layer_ids, batches, variant: str, dev: torch.device)
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     writer, n = variant.split(":")
+    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         run_store(a, model, layer_ids, batches, writer, int(n), dev, sum(len(b) for b in batches) * a.seq)
+    wall_ms = (time.perf_counter() - t0) * 1e3  # includes the store's setup, so busy is a lower bound
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     events = prof.key_averages()
     print(events.table(sort_by=key, row_limit=20, max_name_column_width=60), flush=True)
+    # the device's kernels (copies apart: they run beside compute on the side stream) over the wall;
+    # well below 1 means the device waits on the host
+    kernels = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CPU]
+    busy_ms = sum(e.time_range.elapsed_us() for e in kernels if "memcpy" not in e.name.lower()) / 1e3
+    copy_ms = sum(e.time_range.elapsed_us() for e in kernels if "memcpy" in e.name.lower()) / 1e3
+    print(f"profiled wall {wall_ms:.1f} ms: kernels {busy_ms:.1f} ms ({busy_ms / wall_ms:.1%}), "
+          f"copies {copy_ms:.1f} ms", flush=True)
     for e in events:  # our named ranges, also when they are not among the top rows
         if e.key.startswith("draftcache."):
             dev_ms = getattr(e, "device_time_total", 0.0) / 1e3
