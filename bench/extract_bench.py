@@ -57,8 +57,6 @@ def _args(ap: argparse.ArgumentParser) -> argparse.Namespace:
                     help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
     ap.add_argument("--profile", type=int, default=0, help="profile this many store batches; print the top ops")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (extract --compile)")
-    ap.add_argument("--compile-mode", default="default", choices=["default", "reduce-overhead"],
-                    help="with --compile: reduce-overhead replays each layer as a CUDA graph (fixed shapes)")
     ap.add_argument("--sdpa", default="auto", choices=["auto", "flash", "efficient", "cudnn", "math"],
                     help="the scaled-dot-product attention backend every run is held to (auto: torch's choice)")
     ap.add_argument("--full-stack", action="store_true",
@@ -71,7 +69,7 @@ def measure(a: argparse.Namespace) -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = random_target(a.shape, dev)
     if a.compile:
-        compile_decoder(model, a.compile_mode)
+        compile_decoder(model)
     layer_ids = dflash_layer_ids(model.config.num_hidden_layers, 5)
     g = torch.Generator().manual_seed(0)
     batches = [[Rendered(b * a.batch + j, torch.randint(0, model.config.vocab_size, (a.seq,), generator=g),
@@ -95,7 +93,7 @@ def measure(a: argparse.Namespace) -> None:
         writer, n = variant.split(":")
         with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens)
         print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                          "compile": a.compile and a.compile_mode, "sdpa": a.sdpa,
+                          "compile": a.compile, "sdpa": a.sdpa,
                           "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "dtype": a.dtype, "slots": a.queue_batches,
                           "batches": a.batches, "layer_ids": layer_ids,
                           "bare_tok_s": bare, "bare_full_stack_tok_s": full, "store_tok_s": with_store,

@@ -170,26 +170,13 @@ def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tenso
     return fields, small
 
 
-def compile_decoder(model: torch.nn.Module, mode: str = "default") -> None:
+def compile_decoder(model: torch.nn.Module) -> None:
     """torch.compile each decoder layer's forward in place. The capture hooks run in the module call
     around it, outside the compiled graphs; dynamic shapes, since the token-budget plan gives
-    batches of many sizes and lengths. mode="reduce-overhead" (for fixed-shape benchmarks) replays
-    each layer as a CUDA graph instead, taking its kernel launches off the host."""
+    batches of many sizes and lengths."""
     _, layers, _ = decoder_parts(model)
     for layer in layers:
-        if mode == "default":
-            layer.forward = torch.compile(layer.forward, dynamic=True)
-        else:
-            layer.forward = torch.compile(layer.forward, mode=mode, dynamic=False)
-            # every layer replays the one graph, whose output buffer the next replay overwrites:
-            # the output leaves the graph's pool before the next layer runs
-            layer.register_forward_hook(_clone_output)
-
-
-def _clone_output(module, args, out):
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    return type(out)(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+        layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
 def ring_fields(width: int, num_taps: int, last_width: int, fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
