@@ -2,7 +2,8 @@
 # The data-at-scale run on one machine with N GPUs, stage by stage; every stage resumes when rerun,
 # so a run spans several device calls while the machine stays warm.
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
-#   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints
+#   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
+#                                       # it ends with `pack`: a lost machine loses one call, not the run
 #   bash scripts/scale_run.sh eval      # float32 evaluation, 16 held-out prompts per domain, lossless check
 #   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
 # The export that `pack` brings back is evaluated anywhere (as served: bf16 weights through AutoModel):
@@ -26,6 +27,18 @@ GPU=$(python3 -c 'import torch; print(int(torch.cuda.is_available()))')
 TARGET=(); [ -n "${GGUF:-}" ] && TARGET=(--target "$GGUF")
 mkdir -p "$W"
 L=(python3); [ "$NG" -gt 1 ] && L=(torchrun --standalone --nproc-per-node "$NG")  # one process per GPU
+pack() {  # metrics, eval.json, log tail and the drafter's bf16 export into $OUT
+  local out=${OUT:-/tmp/out}; mkdir -p "$out"
+  cp "$RUN/metrics.jsonl" "$RUN/eval.json" "$out/" 2>/dev/null
+  # the trained drafter comes back too: its bf16 export in parts under 16 MiB (at most 8 files in all);
+  # rejoin with `cat export.safetensors.part-* > model.safetensors` beside a fresh export's config.json
+  if python3 -m train.export --run "$RUN" --out "$W/export" --overwrite > /dev/null; then
+    cp "$W/export/config.json" "$out/export_config.json"
+    split -b 15M -d -a 1 "$W/export/model.safetensors" "$out/export.safetensors.part-"
+  fi
+  tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 40 > "$out/train_log_tail.txt"
+  ls -la "$out"
+}
 case $stage in
 extract)
   # ~28.9M tokens (counted with the SmolLM2 template, capped at 1,024): fp8 taps without the final
@@ -54,20 +67,12 @@ train)
     $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1
   echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
-  grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | cut -c1-300;;
+  grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | cut -c1-300
+  # a machine lost between calls takes /root and /dev/shm with it: bring this call's drafter back now
+  pack > /dev/null;;
 eval)
   python3 -m train.eval --run "$RUN" --limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 --json "${TARGET[@]}" 2>&1 \
     | tail -n 1 | cut -c1-2000;;
-pack)
-  out=${OUT:-/tmp/out}; mkdir -p "$out"
-  cp "$RUN/metrics.jsonl" "$RUN/eval.json" "$out/" 2>/dev/null
-  # the trained drafter comes back too: its bf16 export in parts under 16 MiB (at most 8 files in all);
-  # rejoin with `cat export.safetensors.part-* > model.safetensors` beside a fresh export's config.json
-  if python3 -m train.export --run "$RUN" --out "$W/export" --overwrite > /dev/null; then
-    cp "$W/export/config.json" "$out/export_config.json"
-    split -b 15M -d -a 1 "$W/export/model.safetensors" "$out/export.safetensors.part-"
-  fi
-  tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 40 > "$out/train_log_tail.txt"
-  ls -la "$out";;
+pack) pack;;
 *) echo "stage must be extract, train, eval or pack" >&2; exit 2;;
 esac
