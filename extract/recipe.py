@@ -7,7 +7,8 @@
 
 Stages (each resumable; a stage's marker file is written when it is complete):
 1. invent: user prompts made up by the target (Magpie) for invented math word problems, Python
-   tasks and everyday chat, several steering openings per domain (`OPENINGS`), sampled at T 1.0;
+   tasks and everyday chat, several steering openings per domain (`OPENINGS`), sampled at T 1.0,
+   at most `INVENT_TOKENS` tokens each (fewer where --max-new-tokens is smaller);
 2. select: near-duplicate prompts are dropped (extract.dedup), also those echoing a held-out
    prompt (GSM8K[:100], HumanEval, the chat set); every shard computes the same selection;
 3. answer: every kept prompt answered greedily (the drafter is judged on greedy decoding), and the
@@ -41,6 +42,7 @@ OPENINGS: dict[str, tuple[str, ...]] = {
 SHARES = {"math": 0.35, "code": 0.30, "chat": 0.35}  # of all samples
 MATH_SAMPLED = 3  # extra sampled answers per packaged math prompt
 OVERDRAW = 1.4  # invented prompts per kept prompt (duplicates are dropped)
+INVENT_TOKENS = 128  # a user message; the answers get --max-new-tokens
 
 
 def _wait_for(paths: list[Path], poll: float = 2.0) -> None:
@@ -95,7 +97,8 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
         for j, opening in enumerate(openings):
             if per:
                 regenerate(RegenConfig(out=str(d / "parts" / f"invent_{dom}{j}.{i}.jsonl"), invent=per,
-                                       invent_prefix=opening, temperature=1.0, max_new_tokens=128,
+                                       invent_prefix=opening, temperature=1.0,
+                                       max_new_tokens=min(INVENT_TOKENS, max_new),
                                        seed=seed * 1000 + j, **base), loaded=loaded)
     atomic_write_bytes(d / "parts" / f"invent.{i}.done", json.dumps({"shard": [i, n]}).encode())
     _wait_for([d / "parts" / f"invent.{s}.done" for s in range(n)])
@@ -152,6 +155,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
                "samples": sum(counts.values()), "answer_chars_by_domain": tokens_chars, "selection": drops,
                "packaged_math_prompts": len(packaged), "openings": OPENINGS, "shares": SHARES,
                "math_sampled_per_packaged_prompt": MATH_SAMPLED,
+               "invent_max_new_tokens": min(INVENT_TOKENS, max_new),
                "config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in base.items()}, "seed": seed,
                           "max_new_tokens": max_new}}
     (d / "recipe.json").write_text(json.dumps(summary, indent=1))

@@ -18,3 +18,12 @@ def _converted_target_cache(tmp_path_factory):
         os.environ.pop("DRAFTCACHE_TARGET_CACHE", None)
     else:
         os.environ["DRAFTCACHE_TARGET_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def packaged_hf_dir(tmp_path_factory, _converted_target_cache) -> str:
+    """The packaged SmolLM2 as a plain HF directory (float32, from the session's conversion): what a
+    server or a user's AutoModel loads in a second instead of de-quantizing the GGUF again."""
+    from cache_format.target import save_hf_dir
+
+    return save_hf_dir("", tmp_path_factory.mktemp("packaged-hf") / "smol")

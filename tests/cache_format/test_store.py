@@ -179,7 +179,7 @@ def test_slow_io_thread_gets_its_own_buffer(tmp_path, monkeypatch):
         return real(p, data, chunk_rows)
 
     monkeypatch.setattr(writer_mod, "write_raw_shard", slow)
-    ids = list(range(60))
+    ids = list(range(20))  # ~40 shards handed over (rows_per_shard 32), each while the next one fills
     with ShardWriter(path, writer_id=0) as w:
         for i in ids:
             w.add(i, **make_sample(i, sample_length(i, m.max_len), m))

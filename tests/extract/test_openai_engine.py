@@ -19,12 +19,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    from cache_format.target import save_hf_dir
-
+def served(tmp_path_factory, packaged_hf_dir):
     d = tmp_path_factory.mktemp("served")
-    model_dir = save_hf_dir("", d / "smol")
-    server = LocalServer(model_dir, log=str(d / "server.log")).start()
+    server = LocalServer(packaged_hf_dir, log=str(d / "server.log")).start()
     yield server
     server.stop()
 

@@ -161,9 +161,9 @@ def test_export_refuses_a_non_empty_out_unless_overwrite(trained, tmp_path):
 _SERVE = r"""
 import json, sys, torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-exp, target, gguf, n, prompts = sys.argv[1], sys.argv[2], sys.argv[3] or None, int(sys.argv[4]), sys.argv[5]
-tok = AutoTokenizer.from_pretrained(target, gguf_file=gguf)
-tgt = AutoModelForCausalLM.from_pretrained(target, gguf_file=gguf, dtype=torch.float32).eval()
+exp, target, n, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+tok = AutoTokenizer.from_pretrained(target)
+tgt = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
 drafter = AutoModel.from_pretrained(exp, trust_remote_code=True).eval()
 assert "draftcache" not in sys.modules and "train" not in sys.modules
 prompts = [json.loads(x)["messages"][0]["content"] for x in open(prompts)] if prompts else ["two plus two", "def f():"]
@@ -179,13 +179,13 @@ print(json.dumps(res))
 """
 
 
-def _serve(exp, target, gguf="", n=24, prompts=""):
+def _serve(exp, target, n=24, prompts=""):
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, "-c", _SERVE, str(exp), target, gguf, str(n), prompts], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", _SERVE, str(exp), target, str(n), prompts], capture_output=True, text=True,
                        env=env, cwd=str(exp), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -214,19 +214,16 @@ def test_eval_reports_the_export_beside_the_checkpoint(trained, tmp_path):
     assert e["tau"] > 1.5 and abs(e["tau"] - res["tau"]) < 0.5, (res["tau"], e["tau"])
 
 
-def test_export_of_a_packaged_target_drafter_is_lossless_when_served(tmp_path):
-    """The packaged SmolLM2 as the target: an untrained 1-layer drafter at its shape, exported and served."""
-    import os
-
-    from cache_format.target import packaged_gguf
+def test_export_of_a_packaged_target_drafter_is_lossless_when_served(tmp_path, packaged_hf_dir):
+    """The packaged SmolLM2 as the target (as an HF directory, its GGUF converted): an untrained
+    1-layer drafter at its shape, exported and served."""
     from train.export import write_export
 
-    gguf = packaged_gguf()
     dc = DrafterConfig(hidden_size=576, intermediate_size=1536, num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64,
                        vocab_size=49152, num_taps=2, block_size=8, mask_token_id=16, rope_theta=100000.0, rms_eps=1e-5)
     torch.manual_seed(0)
     weights = DFlashDrafter(dc, torch.zeros(1, 1), torch.zeros(1, 1)).state_dict()
     state = {"drafter": dc.to_dict(), "layer_ids": [1, 14], "mask_token": "<empty_output>", "num_target_layers": 30}
     out = write_export(tmp_path / "exp", state, weights)
-    res = _serve(out, os.path.dirname(gguf), os.path.basename(gguf), n=12)
+    res = _serve(out, packaged_hf_dir, n=12)
     assert all(r["same"] for r in res["runs"]), res
