@@ -55,7 +55,7 @@ def trained(tmp_path_factory):
     store = str(d / "s.zarr")
     _store_of_greedy_outputs(target, prompts, store, new_tokens=40)
     run = str(d / "run")
-    train(TrainConfig(store=store, out=run, num_layers=2, block_size=4, num_anchors=64, epochs=1000, max_steps=300,
+    train(TrainConfig(store=store, out=run, num_layers=2, block_size=4, num_anchors=64, epochs=1000, max_steps=150,
                       token_budget=2048, lr=3e-3, log_every=50, workers=0))
     return target, prompts, run
 
