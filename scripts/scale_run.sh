@@ -15,7 +15,8 @@
 # default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 3600), LR (6e-4),
 # TLIM (seconds this call may train: train's --time-limit, default 480), VERIFY (train's
 # --verify-shards: auto, on or off), TRAIN_ARGS (more train options, e.g. "--num-layers 8
-# --intermediate-size 3072"), GGUF (default: the packaged
+# --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
+# with DIR its rejoined export), GGUF (default: the packaged
 # model, found by importlib); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS (1000, 6, 48, 16384).
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail

@@ -69,6 +69,10 @@ class TrainConfig:
     """step-N checkpoints kept (older ones are deleted; best-N is kept apart)."""
     resume: bool = False
     """Continue from the newest checkpoint in out/checkpoints."""
+    init_from: str = ""
+    """An exported drafter (train.export's directory) whose weights start this run, with a fresh
+    optimizer and schedule: to go on training it on new data or on another machine. Its shape, taps
+    and mask token must be this run's. A --resume that finds a checkpoint takes that instead."""
     follow: bool = False
     """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
     workers: int = 2

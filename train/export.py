@@ -130,6 +130,24 @@ def load_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list
     return dc, from_export_names(load_file(str(Path(path) / "model.safetensors"))), cfg["dflash_config"]["target_layer_ids"]
 
 
+def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The float32 weights of an exported drafter for a run whose drafter is `dc` on taps `layer_ids`
+    (train --init-from); ValueError in one line naming what differs."""
+    if not (Path(path) / "config.json").is_file() or not (Path(path) / "model.safetensors").is_file():
+        raise ValueError(f"--init-from {path}: not an exported drafter (config.json and model.safetensors)")
+    try:
+        theirs, weights, their_ids = load_export(path)
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        raise ValueError(f"--init-from {path}: unreadable export ({type(e).__name__}: {e})") from None
+    diffs = [f"{k} {getattr(theirs, k)} vs {getattr(dc, k)}" for k in dc.to_dict()
+             if k not in ("rope_theta", "rms_eps") and getattr(theirs, k) != getattr(dc, k)]
+    if list(their_ids) != list(layer_ids):
+        diffs.append(f"taps {list(their_ids)} vs {list(layer_ids)}")
+    if diffs:
+        raise ValueError(f"--init-from {path}: the export does not fit this run's drafter ({'; '.join(diffs)})")
+    return {k: v.float() for k, v in weights.items()}
+
+
 @click.command()
 @click.option("--run", required=True, help="Training run directory.")
 @click.option("--out", required=True, help="Export directory.")

@@ -25,6 +25,7 @@ from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint
 from train.config import RESUME_FREE, TrainConfig
 from train.data import BatchDataset, CollateSettings, holdout_mask, plan_epoch, plan_holdout, to_device
 from train.data_parallel import data_parallel
+from train.export import start_weights
 from train.follow import StoreView, agree_view, view_of, wait_for_store
 from train.losses import acceptance_from_acc, default_gamma
 from train.masks import use_flex_attention
@@ -301,6 +302,13 @@ class Trainer:
             self.opt.load_state_dict(opt_state["optimizer"])
             self.sched.load_state_dict(opt_state["scheduler"])
             self.step, self.start_epoch, self.skip = saved["step"], saved["epoch"], saved["step_in_epoch"]
+        elif cfg.init_from:
+            taps = [self.reader.manifest.layer_ids[i] for i in self.collate.tap_index]
+            missing, unexpected = self.model.load_state_dict(start_weights(cfg.init_from, self.dc, taps), strict=False)
+            params = {n for n, _ in self.model.named_parameters()}  # the export leaves out only frozen buffers
+            if unexpected or params & set(missing):
+                raise ValueError(f"--init-from {cfg.init_from}: weights missing {sorted(params & set(missing))[:3]} "
+                                 f"or unknown {sorted(unexpected)[:3]}")
         if self.rank == 0:
             trim_metrics(cfg.out, self.step)  # rows a killed run logged after its last checkpoint are redone
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +126,30 @@ def test_export_round_trip(trained, tmp_path):
     la = a.logits(a(taps, pos, ids, torch.arange(10, 14)[None], None))
     lb = b.logits(b(taps, pos, ids, torch.arange(10, 14)[None], None))
     assert torch.equal(la, lb)
+
+
+def _first_loss(run) -> float:
+    rows = [json.loads(x) for x in open(f"{run}/metrics.jsonl") if '"loss"' in x]
+    return rows[0]["loss"]
+
+
+def test_init_from_an_export_starts_where_the_exported_drafter_was(trained, tmp_path):
+    """--init-from: a new run starts from the export's weights (its first loss is the trained
+    drafter's, not a fresh one's); an export of another shape is one line naming the difference."""
+    _, _, run = trained
+    store = str(Path(run).parent / "s.zarr")  # the fixture's store
+    exp = export_run(run, str(tmp_path / "exp"))
+    kw = dict(store=store, num_layers=2, block_size=4, num_anchors=64, epochs=10, max_steps=1, token_budget=2048,
+              lr=3e-3, log_every=1, workers=0)
+    train(TrainConfig(out=str(tmp_path / "fresh"), **kw))
+    train(TrainConfig(out=str(tmp_path / "init"), init_from=str(exp), **kw))
+    fresh, init = _first_loss(tmp_path / "fresh"), _first_loss(tmp_path / "init")
+    trained_last = [json.loads(x) for x in open(f"{run}/metrics.jsonl") if '"loss"' in x][-1]["loss"]
+    assert init < 0.5 * fresh and init < 2 * trained_last + 0.5, (init, fresh, trained_last)
+    with pytest.raises(ValueError, match=r"--init-from .*exp.*num_layers 2 vs 1"):
+        train(TrainConfig(out=str(tmp_path / "other"), init_from=str(exp), **{**kw, "num_layers": 1}))
+    with pytest.raises(ValueError, match="not an exported drafter"):
+        train(TrainConfig(out=str(tmp_path / "none"), init_from=str(tmp_path), **kw))
 
 
 def test_tau_by_source_is_token_weighted():
