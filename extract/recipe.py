@@ -84,6 +84,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
         base.pop(k, None)  # the recipe sets these per stage
     seed = base.pop("seed", 0)
     max_new = base.pop("max_new_tokens", 256)
+    invent_tokens = min(INVENT_TOKENS, max_new)
     packaged = train_prompts()[: limit or None]
     engine = base.get("engine", "auto")
     loaded = None if engine == "openai" else load_target(base.get("target", ""), device=torch.device(
@@ -98,7 +99,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
             if per:
                 regenerate(RegenConfig(out=str(d / "parts" / f"invent_{dom}{j}.{i}.jsonl"), invent=per,
                                        invent_prefix=opening, temperature=1.0,
-                                       max_new_tokens=min(INVENT_TOKENS, max_new),
+                                       max_new_tokens=invent_tokens,
                                        seed=seed * 1000 + j, **base), loaded=loaded)
     atomic_write_bytes(d / "parts" / f"invent.{i}.done", json.dumps({"shard": [i, n]}).encode())
     _wait_for([d / "parts" / f"invent.{s}.done" for s in range(n)])
@@ -155,7 +156,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
                "samples": sum(counts.values()), "answer_chars_by_domain": tokens_chars, "selection": drops,
                "packaged_math_prompts": len(packaged), "openings": OPENINGS, "shares": SHARES,
                "math_sampled_per_packaged_prompt": MATH_SAMPLED,
-               "invent_max_new_tokens": min(INVENT_TOKENS, max_new),
+               "invent_max_new_tokens": invent_tokens,
                "config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in base.items()}, "seed": seed,
                           "max_new_tokens": max_new}}
     (d / "recipe.json").write_text(json.dumps(summary, indent=1))

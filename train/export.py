@@ -139,8 +139,7 @@ def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[st
         theirs, weights, their_ids = load_export(path)
     except (KeyError, TypeError, ValueError, OSError) as e:
         raise ValueError(f"--init-from {path}: unreadable export ({type(e).__name__}: {e})") from None
-    diffs = [f"{k} {getattr(theirs, k)} vs {getattr(dc, k)}" for k in dc.to_dict()
-             if k not in ("rope_theta", "rms_eps") and getattr(theirs, k) != getattr(dc, k)]
+    diffs = [f"{k} {v} vs {getattr(dc, k)}" for k, v in theirs.to_dict().items() if v != getattr(dc, k)]
     if list(their_ids) != list(layer_ids):
         diffs.append(f"taps {list(their_ids)} vs {list(layer_ids)}")
     if diffs:

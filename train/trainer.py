@@ -125,6 +125,7 @@ class Trainer:
         self.reader = _open_store(cfg, self.rank)
         m = self.reader.manifest
         self.dc, tap_index = drafter_config(cfg, self.reader)
+        self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
         self.model = build_drafter(self.dc, self.reader.frozen()).to(self.device)
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -150,7 +151,7 @@ class Trainer:
                                  chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile)
         if self.rank == 0:  # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
-        self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": [m.layer_ids[i] for i in tap_index],
+        self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": self.layer_ids,
                        "mask_token": m.mask_token if self.dc.mask_token_id == m.mask_token_id else "",
                        "store": str(cfg.store), "target": m.target.name, "num_target_layers": m.target.num_layers,
                        "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
@@ -303,8 +304,8 @@ class Trainer:
             self.sched.load_state_dict(opt_state["scheduler"])
             self.step, self.start_epoch, self.skip = saved["step"], saved["epoch"], saved["step_in_epoch"]
         elif cfg.init_from:
-            taps = [self.reader.manifest.layer_ids[i] for i in self.collate.tap_index]
-            missing, unexpected = self.model.load_state_dict(start_weights(cfg.init_from, self.dc, taps), strict=False)
+            weights = start_weights(cfg.init_from, self.dc, self.layer_ids)
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
             params = {n for n, _ in self.model.named_parameters()}  # the export leaves out only frozen buffers
             if unexpected or params & set(missing):
                 raise ValueError(f"--init-from {cfg.init_from}: weights missing {sorted(params & set(missing))[:3]} "

@@ -128,9 +128,10 @@ def test_export_round_trip(trained, tmp_path):
     assert torch.equal(la, lb)
 
 
-def _first_loss(run) -> float:
-    rows = [json.loads(x) for x in open(f"{run}/metrics.jsonl") if '"loss"' in x]
-    return rows[0]["loss"]
+def _losses(run) -> list[float]:
+    """The training rows' losses of a run, in order (held-out rows have val_loss only)."""
+    with open(Path(run) / "metrics.jsonl") as f:
+        return [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
 
 def test_init_from_an_export_starts_where_the_exported_drafter_was(trained, tmp_path):
@@ -143,8 +144,7 @@ def test_init_from_an_export_starts_where_the_exported_drafter_was(trained, tmp_
               lr=3e-3, log_every=1, workers=0)
     train(TrainConfig(out=str(tmp_path / "fresh"), **kw))
     train(TrainConfig(out=str(tmp_path / "init"), init_from=str(exp), **kw))
-    fresh, init = _first_loss(tmp_path / "fresh"), _first_loss(tmp_path / "init")
-    trained_last = [json.loads(x) for x in open(f"{run}/metrics.jsonl") if '"loss"' in x][-1]["loss"]
+    fresh, init, trained_last = _losses(tmp_path / "fresh")[0], _losses(tmp_path / "init")[0], _losses(run)[-1]
     assert init < 0.5 * fresh and init < 2 * trained_last + 0.5, (init, fresh, trained_last)
     with pytest.raises(ValueError, match=r"--init-from .*exp.*num_layers 2 vs 1"):
         train(TrainConfig(out=str(tmp_path / "other"), init_from=str(exp), **{**kw, "num_layers": 1}))
