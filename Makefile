@@ -11,6 +11,7 @@ EXTRACT_ARGS ?=
 TRAIN_ARGS   ?= --config configs/smollm2-demo/train.toml
 EVAL_ARGS    ?= --limit 4 --max-new-tokens 48
 NPROC   ?= 1
+TEST_WORKERS ?= 2
 # GPUS=0 or GPUS=0,1 pins a stage to those GPUs (one process per GPU under torchrun).
 ENVGPU  = $(if $(GPUS),CUDA_VISIBLE_DEVICES=$(GPUS),)
 LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC),$(PY))
@@ -28,8 +29,8 @@ LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standal
 
 install: .venv/.installed
 
-test: install
-	$(PY) -m pytest -q
+test: install  # two workers, a file each at a time (module fixtures such as the served target start once)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(PY) -m ruff check cache_format extract train tests bench

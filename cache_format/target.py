@@ -16,14 +16,14 @@ import importlib.util
 import json
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from cache_format.checksums import sha256_file
-from cache_format.converted import read_entry, write_entry, write_hf_dir
+from cache_format.converted import entry_lock, gguf_parsed_once, read_entry, write_entry, write_hf_dir
 from cache_format.errors import brief
 from cache_format.schema import TargetInfo
 
@@ -102,7 +102,6 @@ def target_sha256(spec: str) -> str:
 
 def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = None) -> LoadedTarget:
     """A causal LM from an HF directory or a .gguf file; bf16 on GPU, float32 on CPU by default."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -113,10 +112,24 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
         raise ValueError(f"target {path} does not exist")
     sha = target_sha256(str(path))  # also refuses what is neither a .gguf file nor an HF directory
     gguf = path.suffix == ".gguf" and path.is_file()
-    if gguf and dtype == torch.float32:  # a float32 GGUF load reads, or else writes, its converted form
-        hit = _from_converted(path, sha, device)
+    cached = gguf and dtype == torch.float32  # a float32 GGUF load reads, or else writes, its converted form
+    with entry_lock(sha) if cached else nullcontext():  # the first of several loads at once converts
+        hit = _from_converted(path, sha, device) if cached else None
         if hit is not None:
             return hit
+        with gguf_parsed_once() if gguf else nullcontext():
+            tok, model = _from_files(path, gguf, dtype)
+        config = json.loads(model.config.to_json_string(use_diff=False))
+        tok_sha = tokenizer_sha256(tok)
+        if cached:
+            write_entry(sha, model, tok, config, tok_sha)
+    return _loaded(path, sha, model.to(device), tok, config, tok_sha)
+
+
+def _from_files(path: Path, gguf: bool, dtype: torch.dtype):
+    """(tokenizer, model) read by transformers from an HF directory or a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     kw = {"local_files_only": True, **({"gguf_file": path.name} if gguf else {})}
     where = str(path.parent if gguf else path)
     try:
@@ -127,11 +140,7 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).eval()
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"target {path}: cannot load the model ({brief(e)})") from None
-    config = json.loads(model.config.to_json_string(use_diff=False))
-    tok_sha = tokenizer_sha256(tok)
-    if gguf and dtype == torch.float32:
-        write_entry(sha, model, tok, config, tok_sha)
-    return _loaded(path, sha, model.to(device), tok, config, tok_sha)
+    return tok, model
 
 
 def _loaded(path: Path, sha: str, model, tok, config: dict, tok_sha: str) -> LoadedTarget:

@@ -4,7 +4,7 @@ conversion gave; incomplete or mismatched entries are not used; `off` writes not
 from __future__ import annotations
 
 import json
-import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,13 +16,24 @@ from cache_format.target import _from_converted, load_target, packaged_gguf, tar
 pytestmark = pytest.mark.slow
 
 
-def test_second_load_reads_the_conversion_and_equals_it(monkeypatch):
+def test_second_load_reads_the_conversion_and_equals_it(monkeypatch, tmp_path):
+    import gguf
+
     sha = target_sha256(packaged_gguf())
+    monkeypatch.setenv("DRAFTCACHE_TARGET_CACHE", str(tmp_path / "cache"))  # its own: this test converts
     root = converted.cache_root()
-    shutil.rmtree(root / sha, ignore_errors=True)  # the session's cache: this test converts first
     cpu = torch.device("cpu")
+    parses, real_reader, real_map = [], gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counting(*args, **kwargs):
+        parses.append(args)
+        return real_reader(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
     a = load_target("", device=cpu)  # converts, writes the entry
     assert (root / sha / "draftcache_target.json").is_file() and not list(root.glob(".tmp-*"))
+    assert len(parses) == 1  # config, tokenizer and weights from one parse of the file
+    assert gguf.GGUFReader is counting and gguf.get_tensor_name_map is real_map  # the module gets its own back
 
     seen = []
     real = converted.read_entry
@@ -43,6 +54,25 @@ def test_second_load_reads_the_conversion_and_equals_it(monkeypatch):
     assert _from_converted(Path(packaged_gguf()), sha, cpu) is None
     mark.write_text(good)
     assert _from_converted(Path(packaged_gguf()), sha, cpu) is not None
+
+
+def test_a_conversion_in_progress_holds_off_the_next_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTCACHE_TARGET_CACHE", str(tmp_path))
+    order = []
+
+    def second():
+        with converted.entry_lock("ab"):
+            order.append("second")
+
+    with converted.entry_lock("ab"):
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(0.3)
+        order.append("first done")
+    other.join(5)
+    assert order == ["first done", "second"]
+    with converted.entry_lock("cd"):  # another GGUF: another lock, no wait
+        pass
 
 
 def test_incomplete_entries_and_off(tmp_path, monkeypatch):

@@ -334,21 +334,25 @@ def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama,
 def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path, llama):
     """Two extractions of one store at once: the second (one rank, or two under torchrun) fails in
     one line naming the store and the first's pid; the first finishes a sound store."""
-    data = write_chats(tmp_path / "many.jsonl", 600, seed=2)  # long enough to outlast both refusals
+    data = write_chats(tmp_path / "many.jsonl", 40, seed=2)
     store = tmp_path / "s.zarr"
     first = _cli(_cli_args(store, llama, data, "--token-budget", "256"))
     lock = Path(str(store) + ".lock")
     deadline = time.time() + 120
     while time.time() < deadline and not (lock.exists() and str(first.pid) in lock.read_text()):
         time.sleep(0.02)
-    for launcher in ([], ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]):
-        t0 = time.time()
-        second = _cli([*launcher, *_cli_args(store, llama, data)])
-        out, _ = second.communicate(timeout=120)
-        assert second.returncode != 0 and time.time() - t0 < 60
-        line = next(x for x in out.splitlines() if x.startswith("error:"))
-        assert str(store) in line and f"pid {first.pid}" in line, out
-    assert first.poll() is None, "the first run ended before the second was tried"
+    os.kill(first.pid, signal.SIGSTOP)  # the first holds its lock, stopped, for as long as the refusals take
+    try:
+        for launcher in ([], ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]):
+            t0 = time.time()
+            second = _cli([*launcher, *_cli_args(store, llama, data)])
+            out, _ = second.communicate(timeout=120)
+            assert second.returncode != 0 and time.time() - t0 < 60
+            line = next(x for x in out.splitlines() if x.startswith("error:"))
+            assert str(store) in line and f"pid {first.pid}" in line, out
+        assert first.poll() is None, "the first run ended before the second was tried"
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     out, _ = first.communicate(timeout=300)
     assert first.returncode == 0, out
     v = verify_store(store)

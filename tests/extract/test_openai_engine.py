@@ -1,12 +1,14 @@
 """The openai engine against a real OpenAI-compatible server (`transformers serve`, packaged SmolLM2,
-CPU) started on 127.0.0.1 by the test: same text as the in-process engine, a server killed mid-run
+CPU) started on 127.0.0.1 by the test: same text as the in-process engine, a server lost mid-run
 is retried, a server that stays down leaves an errors file and a nonzero exit, and a rerun completes."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -24,6 +26,59 @@ def served(tmp_path_factory, packaged_hf_dir):
     server = LocalServer(packaged_hf_dir, log=str(d / "server.log")).start()
     yield server
     server.stop()
+
+
+class Relay:
+    """A TCP relay on its own port in front of the server that the test can cut: every open
+    connection ends mid-request and the port refuses new ones until it is mended, which is what a
+    client sees of a server killed with -9 and restarted (without the server's ~17-s restart)."""
+
+    def __init__(self, upstream_port: int):
+        self.upstream, self.port = upstream_port, free_port()
+        self.listener: socket.socket | None = None
+        self.open: list[socket.socket] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def mend(self) -> Relay:
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind(("127.0.0.1", self.port))
+        ls.listen(64)
+        self.listener = ls
+        threading.Thread(target=self._accept, args=(ls,), daemon=True).start()
+        return self
+
+    def cut(self) -> None:
+        for s in [self.listener, *self.open]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes the threads blocked in accept/recv on it
+            except OSError:
+                pass
+            s.close()
+        self.listener, self.open = None, []
+
+    def _accept(self, ls: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = ls.accept()
+            except OSError:  # cut
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream))
+            self.open += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
 
 
 def _records(path):
@@ -47,16 +102,19 @@ def test_server_replies_equal_the_in_process_engine(served, tmp_path):
     assert api == local and len(api) == 4
 
 
-def test_a_server_killed_mid_run_is_retried(served, tmp_path):
+def test_a_server_lost_mid_run_is_retried(served, tmp_path):
     out = tmp_path / "x.jsonl"
-    p = _cli(out, served, "--limit", "8", "--max-new-tokens", "24", "--concurrency", "2", "--retries", "8")
+    relay = Relay(served.port).mend()
+    p = _cli(out, SimpleNamespace(url=relay.url, model_dir=served.model_dir),
+             "--limit", "8", "--max-new-tokens", "8", "--concurrency", "2", "--retries", "8")
     end = time.monotonic() + 120
     while (not out.exists() or len(out.read_text().splitlines()) < 2) and time.monotonic() < end:
         time.sleep(0.2)
-    served.stop()  # kill -9 while requests are in flight
+    relay.cut()  # requests in flight lose their connection, new ones are refused
     time.sleep(1.0)
-    served.start()
+    relay.mend()
     log = p.communicate(timeout=300)[0]
+    relay.cut()
     assert p.returncode == 0, log
     assert len(_records(out)) == 8 and "8 written, 0 failed" in log and "needed retries" in log, log
     assert not (tmp_path / "x.jsonl.errors.jsonl").exists()  # no failure: no errors file
