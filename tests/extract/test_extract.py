@@ -210,6 +210,17 @@ def _cli(args, **kw):
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
+def _cli_here(args) -> tuple[int, str]:
+    """`python -m extract ARGS` run in this process: (exit code, what it printed)."""
+    from click.testing import CliRunner
+
+    from extract.__main__ import main
+
+    assert args[:2] == ["-m", "extract"]
+    res = CliRunner().invoke(main, args[2:])
+    return res.exit_code, res.output
+
+
 def _cli_args(store, target, data, *extra):
     return ["-m", "extract", "--store", str(store), "--target", target, "--data", data, "--layers", "0,2,4",
             "--max-len", "256", "--min-supervised", "4", "--token-budget", "512", "--rows-per-shard", "64", *extra]
@@ -244,9 +255,8 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, llama):
     p.wait()
     assert p.returncode == -signal.SIGKILL, "extraction finished before it could be killed"
     assert not StoreReader(store).finalized
-    p = _cli(_cli_args(store, llama, data, "--json"))
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out
+    code, out = _cli_here(_cli_args(store, llama, data, "--json"))  # the resume
+    assert code == 0, out
     summary = json.loads(out[out.index("{"):])
     assert summary["already_committed"] > 0 and summary["samples_in_store"] == 120 - sum(summary["skipped"].values())
     run(_cfg(ref, llama, data))
@@ -343,13 +353,14 @@ def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path, llama):
         time.sleep(0.02)
     os.kill(first.pid, signal.SIGSTOP)  # the first holds its lock, stopped, for as long as the refusals take
     try:
-        for launcher in ([], ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]):
-            t0 = time.time()
-            second = _cli([*launcher, *_cli_args(store, llama, data)])
-            out, _ = second.communicate(timeout=120)
-            assert second.returncode != 0 and time.time() - t0 < 60
-            line = next(x for x in out.splitlines() if x.startswith("error:"))
-            assert str(store) in line and f"pid {first.pid}" in line, out
+        t0 = time.time()
+        code, out = _cli_here(_cli_args(store, llama, data))  # one rank
+        second = _cli(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *_cli_args(store, llama, data)])
+        out2, _ = second.communicate(timeout=120)
+        assert code != 0 and second.returncode != 0 and time.time() - t0 < 60
+        for text in (out, out2):
+            line = next(x for x in text.splitlines() if x.startswith("error:"))
+            assert str(store) in line and f"pid {first.pid}" in line, text
         assert first.poll() is None, "the first run ended before the second was tried"
     finally:
         os.kill(first.pid, signal.SIGCONT)
@@ -365,15 +376,13 @@ def test_target_without_tokenizer_and_empty_data_are_one_line(tmp_path, llama, c
     for f in target.iterdir():
         if "token" in f.name or "chat" in f.name:
             f.unlink()
-    p = _cli(_cli_args(tmp_path / "s.zarr", str(target), chats))
-    out, _ = p.communicate(timeout=120)
+    code, out = _cli_here(_cli_args(tmp_path / "s.zarr", str(target), chats))
     errors = [x for x in out.splitlines() if x.startswith("error:")]
-    assert p.returncode == 2 and len(errors) == 1 and str(target) in errors[0] and "tokenizer" in errors[0], out
+    assert code == 2 and len(errors) == 1 and str(target) in errors[0] and "tokenizer" in errors[0], out
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    p = _cli(_cli_args(tmp_path / "s2.zarr", llama, str(empty)))
-    out, _ = p.communicate(timeout=120)
-    assert p.returncode == 2 and f"error: {empty}: the data file holds no records" in out, out
+    code, out = _cli_here(_cli_args(tmp_path / "s2.zarr", llama, str(empty)))
+    assert code == 2 and f"error: {empty}: the data file holds no records" in out, out
     assert not (tmp_path / "s2.zarr").exists()
 
 
