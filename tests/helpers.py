@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from bench.common import CORPUS, tiny_tokenizer  # one home: the benches build the same tiny targets
-from cache_format import DatasetInfo, Manifest, ShardWriter, TargetInfo, create_store, finalize_store
+from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, TargetInfo, create_store, finalize_store
+from extract.config import ExtractConfig
 
 H, N_LAYERS, VOCAB = 8, 4, 100
 
@@ -100,3 +101,28 @@ def write_chats(path, n: int, seed: int = 0, turns: int = 1, cyclic: bool = Fals
                 msgs.append({"role": "assistant", "content": " ".join(answer)})
             f.write(json.dumps({"messages": msgs}) + "\n")
     return str(path)
+
+
+def extract_cfg(store, target, data, **kw):
+    """The stage-one config the extraction tests share (three taps, small shards), overridden by kw."""
+    args = dict(store=str(store), target=target, data=data, layers=(0, 2, 4), max_len=256, min_supervised=4,
+                token_budget=512, rows_per_shard=64)
+    args.update(kw)
+    return ExtractConfig(**args)
+
+
+def content(path) -> dict[int, tuple]:
+    """Every sample of a store: id -> (input_ids, loss_mask, hidden, last_hidden)."""
+    r = StoreReader(path)
+    return {s.sample_id: (s.input_ids, s.loss_mask, s.hidden, s.last_hidden) for s in r.get_batch(r.sample_ids)}
+
+
+def assert_same_content(a, b, exact=True):
+    """Two stores' content() hold the same samples, bit for bit (exact) or within bf16 rounding."""
+    assert sorted(a) == sorted(b)
+    for sid in a:
+        for x, y in zip(a[sid], b[sid]):
+            if exact or not x.is_floating_point():
+                assert torch.equal(x, y), sid
+            else:  # another batch shape may round a bf16 value the other way
+                torch.testing.assert_close(x.float(), y.float(), atol=2e-2, rtol=2e-2)

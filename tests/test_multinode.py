@@ -14,8 +14,7 @@ import torch
 from extract.config import ExtractConfig
 from extract.local_server import free_port
 from extract.run import run as extract
-from tests.extract.test_extract import assert_same_content, content
-from tests.helpers import tiny_target_dir, write_chats
+from tests.helpers import assert_same_content, content, tiny_target_dir, write_chats
 from train.checkpoint import latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from train.trainer import train

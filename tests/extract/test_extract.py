@@ -1,14 +1,9 @@
-"""End-to-end stage one on tiny random targets: taps, ranks, resume, refusals, bad data, disk full."""
+"""End-to-end stage one in this process on tiny random targets: taps, writers, resume, refusals, bad
+data, disk full, compile (the runs as processes of their own: test_processes.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,50 +12,15 @@ import torch
 from cache_format import CacheFormatError, ManifestMismatchError, StoreReader
 from cache_format.inspect import verify_store
 from cache_format.world import World
-from extract.config import ExtractConfig
 from extract.run import run
-from tests.helpers import tiny_target_dir, write_chats
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return tiny_target_dir(tmp_path_factory.mktemp("llama"), "llama")
-
-
-@pytest.fixture(scope="module")
-def chats(tmp_path_factory):
-    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl", 40)
-
-
-def _cfg(store, target, data, **kw):
-    args = dict(store=str(store), target=target, data=data, layers=(0, 2, 4), max_len=256, min_supervised=4,
-                token_budget=512, rows_per_shard=64)
-    args.update(kw)
-    return ExtractConfig(**args)
-
-
-def content(path) -> dict[int, tuple]:
-    r = StoreReader(path)
-    return {s.sample_id: (s.input_ids, s.loss_mask, s.hidden, s.last_hidden) for s in r.get_batch(r.sample_ids)}
-
-
-def assert_same_content(a, b, exact=True):
-    assert sorted(a) == sorted(b)
-    for sid in a:
-        for x, y in zip(a[sid], b[sid]):
-            if exact or not x.is_floating_point():
-                assert torch.equal(x, y), sid
-            else:  # another batch shape may round a bf16 value the other way
-                torch.testing.assert_close(x.float(), y.float(), atol=2e-2, rtol=2e-2)
+from tests.helpers import assert_same_content, content, extract_cfg, tiny_target_dir, write_chats
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_taps_equal_output_hidden_states(tmp_path, arch, chats):
     target = tiny_target_dir(tmp_path / "t", arch)
     store = tmp_path / "s.zarr"
-    summary = run(_cfg(store, target, chats))
+    summary = run(extract_cfg(store, target, chats))
     assert summary["samples_in_store"] == 40 and verify_store(store)["ok"]
     from cache_format.target import load_target
 
@@ -77,7 +37,7 @@ def test_taps_equal_output_hidden_states(tmp_path, arch, chats):
         torch.testing.assert_close(logits, out.logits[0], atol=1e-4, rtol=1e-4)
     # without the final state the stack stops at the last tap (layer 4 of 6): the same taps, exactly
     cut = tmp_path / "cut.zarr"
-    run(_cfg(cut, target, chats, last_hidden=False))
+    run(extract_cfg(cut, target, chats, last_hidden=False))
     full, short = content(store), content(cut)
     assert sorted(full) == sorted(short)
     for sid in full:
@@ -95,7 +55,7 @@ def test_prompt_keys_group_responses_to_one_prompt(tmp_path, llama):
     data = tmp_path / "three.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = tmp_path / "s.zarr"
-    run(_cfg(store, llama, str(data)))
+    run(extract_cfg(store, llama, str(data)))
     r = StoreReader(store)
     keys = dict(zip(r.sample_ids.tolist(), r.prompt_keys().tolist()))
     assert keys == {i: prompt_key(rows[i]["messages"]) for i in range(len(rows))}
@@ -117,20 +77,20 @@ def test_prompt_keys_group_responses_to_one_prompt(tmp_path, llama):
 
 def test_resume_refusals_and_overwrite(tmp_path, llama, chats):
     store = tmp_path / "s.zarr"
-    run(_cfg(store, llama, chats))
-    again = run(_cfg(store, llama, chats))  # same command: nothing left to do
+    run(extract_cfg(store, llama, chats))
+    again = run(extract_cfg(store, llama, chats))  # same command: nothing left to do
     assert again["samples_written_now"] == 0 and again["samples_in_store"] == 40
     with pytest.raises(ManifestMismatchError) as e:
-        run(_cfg(store, llama, chats, layers=(1, 3), max_len=128, dtype="fp8_e4m3"))
+        run(extract_cfg(store, llama, chats, layers=(1, 3), max_len=128, dtype="fp8_e4m3"))
     for key in ("layer_ids", "max_len", "dtype"):
         assert key in str(e.value)
     with pytest.raises(ValueError, match="layer id 9 out of range"):
-        run(_cfg(store, llama, chats, layers=(0, 9)))
+        run(extract_cfg(store, llama, chats, layers=(0, 9)))
     with pytest.raises(ValueError, match="layer id 5 is the target's last layer"):  # 6 layers
-        run(_cfg(store, llama, chats, layers=(0, 5)))
+        run(extract_cfg(store, llama, chats, layers=(0, 5)))
     m = StoreReader(store).manifest
     assert (m.mask_token_id, m.mask_token) == (300, "")  # the tiny tokenizer's 300 tokens pad to 320 rows
-    s = run(_cfg(store, llama, chats, layers=(1, 3), overwrite=True))
+    s = run(extract_cfg(store, llama, chats, layers=(1, 3), overwrite=True))
     assert s["samples_in_store"] == 40 and StoreReader(store).manifest.layer_ids == (1, 3)
 
 
@@ -145,7 +105,7 @@ def test_nonfinite_sample_refused_and_counted(tmp_path, chats):
     w["model.embed_tokens.weight"][bad_tok] = float("nan")
     save_file(w, f"{target}/model.safetensors", metadata={"format": "pt"})
     store = tmp_path / "s.zarr"
-    s = run(_cfg(store, target, chats))
+    s = run(extract_cfg(store, target, chats))
     with_plus = sum(1 for line in open(chats) if " plus" in line)
     assert 0 < with_plus < 40
     assert s["skipped"]["NaN/Inf in hidden state"] == with_plus
@@ -159,8 +119,8 @@ def test_malformed_data_and_skip_bad(tmp_path, llama):
     lines.insert(3, '{"messages": [oops')
     data.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"d.jsonl:4: malformed JSON"):
-        run(_cfg(tmp_path / "s.zarr", llama, str(data)))
-    s = run(_cfg(tmp_path / "s2.zarr", llama, str(data), skip_bad=True))
+        run(extract_cfg(tmp_path / "s.zarr", llama, str(data)))
+    s = run(extract_cfg(tmp_path / "s2.zarr", llama, str(data), skip_bad=True))
     assert s["skipped"]["malformed"] == 1 and s["samples_in_store"] == 10
 
 
@@ -192,76 +152,18 @@ def test_disk_full_then_resume(tmp_path, llama, chats, monkeypatch):
     monkeypatch.setattr(writer_mod, "write_raw_shard", failing_raw)
     store = tmp_path / "s.zarr"
     with pytest.raises(CacheFormatError) as e:
-        run(_cfg(store, llama, chats))
+        run(extract_cfg(store, llama, chats))
     assert "No space left on device" in str(e.value) and "resume" in str(e.value) and "\n" not in str(e.value)
     partial = StoreReader(store)
     assert not partial.finalized and 0 < len(partial) < 40, len(partial)
     assert verify_store(store)["ok"]  # nothing half-written is visible as committed
     monkeypatch.setattr(LocalStore, "set", real_set)
     monkeypatch.setattr(writer_mod, "write_raw_shard", real_raw)
-    run(_cfg(store, llama, chats))
-    run(_cfg(tmp_path / "ref.zarr", llama, chats))
+    run(extract_cfg(store, llama, chats))
+    run(extract_cfg(tmp_path / "ref.zarr", llama, chats))
     assert_same_content(content(store), content(tmp_path / "ref.zarr"), exact=False)
 
 
-def _cli(args, **kw):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kw)
-
-
-def _cli_here(args) -> tuple[int, str]:
-    """`python -m extract ARGS` run in this process: (exit code, what it printed)."""
-    from click.testing import CliRunner
-
-    from extract.__main__ import main
-
-    assert args[:2] == ["-m", "extract"]
-    res = CliRunner().invoke(main, args[2:])
-    return res.exit_code, res.output
-
-
-def _cli_args(store, target, data, *extra):
-    return ["-m", "extract", "--store", str(store), "--target", target, "--data", data, "--layers", "0,2,4",
-            "--max-len", "256", "--min-supervised", "4", "--token-budget", "512", "--rows-per-shard", "64", *extra]
-
-
-@pytest.mark.slow
-def test_two_ranks_torchrun_equals_one_rank(tmp_path, llama, chats):
-    one, two = tmp_path / "one.zarr", tmp_path / "two.zarr"
-    run(_cfg(one, llama, chats))
-    p = _cli(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              *_cli_args(two, llama, chats)])
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out
-    logs = {p.stem for p in (two / "commits").glob("w*.jsonl")}
-    assert logs == {f"w{i:05d}" for i in range(6)}  # three writers per rank (the default), all committed
-    assert_same_content(content(one), content(two), exact=False)
-    assert verify_store(two)["ok"]
-
-
-@pytest.mark.slow
-def test_sigkill_and_resume_equals_uninterrupted(tmp_path, llama):
-    data = write_chats(tmp_path / "many.jsonl", 120, seed=1)
-    store, ref = tmp_path / "s.zarr", tmp_path / "ref.zarr"
-    p = _cli(_cli_args(store, llama, data, "--token-budget", "256"))
-    log = store / "commits" / "w00000.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and p.poll() is None:
-        if log.exists() and log.read_text().count("\n") >= 3:
-            p.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.01)
-    p.wait()
-    assert p.returncode == -signal.SIGKILL, "extraction finished before it could be killed"
-    assert not StoreReader(store).finalized
-    code, out = _cli_here(_cli_args(store, llama, data, "--json"))  # the resume
-    assert code == 0, out
-    summary = json.loads(out[out.index("{"):])
-    assert summary["already_committed"] > 0 and summary["samples_in_store"] == 120 - sum(summary["skipped"].values())
-    run(_cfg(ref, llama, data))
-    assert_same_content(content(store), content(ref), exact=False)
-    assert verify_store(store)["ok"] and verify_store(store)["duplicate_sample_ids"] == []
 
 
 @pytest.mark.slow
@@ -274,7 +176,7 @@ def test_packaged_smollm2_handful(tmp_path):
 
     data = write_chats(tmp_path / "d.jsonl", 4)
     store = tmp_path / "s.zarr"
-    s = run(_cfg(store, packaged_gguf(), data, layers=(), min_supervised=4), world=World())
+    s = run(extract_cfg(store, packaged_gguf(), data, layers=(), min_supervised=4), world=World())
     assert s["layer_ids"] == [1, 8, 14, 20, 27]  # DFlash rule for N = 30
     r = StoreReader(store)
     assert len(r) == 4 and r.manifest.target.hidden_size == 576 and verify_store(store)["ok"]
@@ -283,10 +185,10 @@ def test_packaged_smollm2_handful(tmp_path):
 
 
 def test_writer_processes_and_thread_counts_give_the_same_content(tmp_path, llama, chats):
-    run(_cfg(tmp_path / "thread.zarr", llama, chats, writers=1))
+    run(extract_cfg(tmp_path / "thread.zarr", llama, chats, writers=1))
     ref = content(tmp_path / "thread.zarr")
     for name, kw in [("threads3", dict(writers=3)), ("proc", dict(writer="process", writers=2, queue_batches=2))]:
-        s = run(_cfg(tmp_path / f"{name}.zarr", llama, chats, **kw))
+        s = run(extract_cfg(tmp_path / f"{name}.zarr", llama, chats, **kw))
         assert s["samples_in_store"] == 40
         assert_same_content(ref, content(tmp_path / f"{name}.zarr"))
         assert verify_store(tmp_path / f"{name}.zarr")["ok"]
@@ -302,7 +204,7 @@ def test_gpu_big_padded_batches_store_every_sample(tmp_path, llama, writer):
     # tensor they read is kept alive (a lost `ok` mask once refused most samples as NaN/Inf).
     data = write_chats(tmp_path / "many.jsonl", 300, seed=2)
     store = tmp_path / "s.zarr"
-    s = run(_cfg(store, llama, data, token_budget=8192, writer=writer, writers=2))
+    s = run(extract_cfg(store, llama, data, token_budget=8192, writer=writer, writers=2))
     assert s["skipped"].get("NaN/Inf in hidden state", 0) == 0, s["skipped"]
     assert s["samples_in_store"] == 300 - sum(s["skipped"].values()) and verify_store(store)["ok"]
     from cache_format.target import load_target
@@ -324,8 +226,8 @@ def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama,
     from cache_format.codec import Fp8Rows
     from cache_format.inspect import inspect_store
 
-    run(_cfg(tmp_path / "bf16.zarr", llama, chats))
-    run(_cfg(tmp_path / "fp8.zarr", llama, chats, dtype="fp8_e4m3", writer=writer, writers=2))
+    run(extract_cfg(tmp_path / "bf16.zarr", llama, chats))
+    run(extract_cfg(tmp_path / "fp8.zarr", llama, chats, dtype="fp8_e4m3", writer=writer, writers=2))
     ref, got = content(tmp_path / "bf16.zarr"), content(tmp_path / "fp8.zarr")
     assert ref.keys() == got.keys() and verify_store(tmp_path / "fp8.zarr")["ok"]
     sq_err = sq_ref = 0.0
@@ -339,51 +241,6 @@ def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama,
     rec = inspect_store(tmp_path / "fp8.zarr")["fp8_relative_rms_error"]
     assert abs(rec - (sq_err / sq_ref) ** 0.5) < 1e-6 * max(rec, 1e-12), (rec, (sq_err / sq_ref) ** 0.5)
 
-
-@pytest.mark.slow
-def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path, llama):
-    """Two extractions of one store at once: the second (one rank, or two under torchrun) fails in
-    one line naming the store and the first's pid; the first finishes a sound store."""
-    data = write_chats(tmp_path / "many.jsonl", 40, seed=2)
-    store = tmp_path / "s.zarr"
-    first = _cli(_cli_args(store, llama, data, "--token-budget", "256"))
-    lock = Path(str(store) + ".lock")
-    deadline = time.time() + 120
-    while time.time() < deadline and not (lock.exists() and str(first.pid) in lock.read_text()):
-        time.sleep(0.02)
-    os.kill(first.pid, signal.SIGSTOP)  # the first holds its lock, stopped, for as long as the refusals take
-    try:
-        t0 = time.time()
-        code, out = _cli_here(_cli_args(store, llama, data))  # one rank
-        second = _cli(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *_cli_args(store, llama, data)])
-        out2, _ = second.communicate(timeout=120)
-        assert code != 0 and second.returncode != 0 and time.time() - t0 < 60
-        for text in (out, out2):
-            line = next(x for x in text.splitlines() if x.startswith("error:"))
-            assert str(store) in line and f"pid {first.pid}" in line, text
-        assert first.poll() is None, "the first run ended before the second was tried"
-    finally:
-        os.kill(first.pid, signal.SIGCONT)
-    out, _ = first.communicate(timeout=300)
-    assert first.returncode == 0, out
-    v = verify_store(store)
-    assert v["ok"] and v["duplicate_sample_ids"] == [] and StoreReader(store).finalized
-
-
-def test_target_without_tokenizer_and_empty_data_are_one_line(tmp_path, llama, chats):
-    target = tmp_path / "t"
-    shutil.copytree(llama, target)
-    for f in target.iterdir():
-        if "token" in f.name or "chat" in f.name:
-            f.unlink()
-    code, out = _cli_here(_cli_args(tmp_path / "s.zarr", str(target), chats))
-    errors = [x for x in out.splitlines() if x.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and str(target) in errors[0] and "tokenizer" in errors[0], out
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("\n\n")
-    code, out = _cli_here(_cli_args(tmp_path / "s2.zarr", llama, str(empty)))
-    assert code == 2 and f"error: {empty}: the data file holds no records" in out, out
-    assert not (tmp_path / "s2.zarr").exists()
 
 
 def test_compiled_decoder_gives_the_eager_taps(tmp_path):
