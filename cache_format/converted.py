@@ -3,9 +3,10 @@
 transformers reads a GGUF file by parsing all of its metadata three times (config, tokenizer,
 weights: the packaged SmolLM2 carries ~300K vocabulary fields) and dequantizing every tensor; on a
 2-core VM that is ~36 s per load, almost all of it Python field parsing (14 s with one parse, see
-`gguf_parsed_once`). The demo, the evaluation and the tests load the packaged target again and again. The first float32 load of a
-GGUF therefore writes what came out (float32 safetensors, the tokenizer, the config as loaded from
-the GGUF) into `<cache>/<sha256 of the GGUF>/`; later float32 loads read that in about a second.
+`gguf_parsed_once`). The demo, the evaluation and the tests load the packaged target again and
+again. The first float32 load of a GGUF therefore writes what came out (float32 safetensors, the
+tokenizer, the config as loaded from the GGUF) into `<cache>/<sha256 of the GGUF>/`; later float32
+loads read that in about a second.
 
 - Keyed by the GGUF's own sha256: another file, or the same path rewritten, is another entry.
 - Only float32 loads read or write it: the entry's weights are the GGUF's dequantized values
@@ -13,9 +14,10 @@ the GGUF) into `<cache>/<sha256 of the GGUF>/`; later float32 loads read that in
 - An entry is written into a temporary directory and renamed into place; one without its
   `draftcache_target.json` (written last) is never used. A hit whose tokenizer hash differs from
   the one recorded at conversion is ignored, and the GGUF is converted again.
-- One conversion per machine: a float32 load holds `<cache>/<sha256>.lock` (an OS file lock, gone
-  with its process) while it reads or writes the entry, so ranks or tests that load the same GGUF
-  at once wait for the first conversion and read it instead of converting it again.
+- One conversion per machine: a float32 load that finds no complete entry takes
+  `<cache>/<sha256>.lock` (an OS file lock, gone with its process), looks again, and converts only
+  if there is still none; ranks or tests that load the same GGUF at once wait for the first
+  conversion and read it. A complete entry is read without the lock.
 - Where: $DRAFTCACHE_TARGET_CACHE, else $XDG_CACHE_HOME/draftcache/targets, else
   ~/.cache/draftcache/targets. DRAFTCACHE_TARGET_CACHE=off turns it off.
 """

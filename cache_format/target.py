@@ -113,8 +113,11 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
     sha = target_sha256(str(path))  # also refuses what is neither a .gguf file nor an HF directory
     gguf = path.suffix == ".gguf" and path.is_file()
     cached = gguf and dtype == torch.float32  # a float32 GGUF load reads, or else writes, its converted form
+    hit = _from_converted(path, sha, device) if cached else None  # a complete entry is read without the lock
+    if hit is not None:
+        return hit
     with entry_lock(sha) if cached else nullcontext():  # the first of several loads at once converts
-        hit = _from_converted(path, sha, device) if cached else None
+        hit = _from_converted(path, sha, device) if cached else None  # ... and the others read its entry
         if hit is not None:
             return hit
         with gguf_parsed_once() if gguf else nullcontext():

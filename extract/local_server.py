@@ -77,7 +77,7 @@ class LocalServer:
         raise ValueError(f"transformers serve did not answer on port {self.port} within {timeout:.0f} s")
 
     def stop(self) -> None:
-        """End the server process this object started (kill -9: the tests use it as a crash)."""
+        """End the server process this object started (kill -9)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()

@@ -1,5 +1,5 @@
 """End-to-end stage one in this process on tiny random targets: taps, writers, resume, refusals, bad
-data, disk full, compile (the runs as processes of their own: test_processes.py)."""
+data, disk full, compile (runs through the command line and as processes: test_processes.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Stage one as processes of its own: two ranks under torchrun, a SIGKILL and its resume, a second
-run on a store in use, and the CLI's one-line errors."""
+"""Stage one through its command line: two ranks under torchrun, a SIGKILL and its resume, a second
+run on a store in use, and the one-line errors (in the test's process where no second is needed)."""
 
 from __future__ import annotations
 
