@@ -14,6 +14,8 @@ __all__ = ["TrainConfig"]
 LOSS_BACKWARDS = ("fused", "recompute", "keep")
 # The dtype DDP all-reduces gradients in (train.data_parallel).
 GRAD_REDUCES = ("fp32", "bf16")
+# Per-slot loss weights (train.losses.Weighting): the fixed decay, or each slot's share of the batch's acceptance.
+POSITION_WEIGHTS = ("decay", "reach")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -35,6 +37,13 @@ class TrainConfig:
     """ce, kl (forward KL to the target's distribution from the stored final state) or mix."""
     kl_weight: float = 0.5
     """Weight of KL in mix."""
+    position_weights: str = "decay"
+    """Loss weight of block slot k: decay (exp(-(k-1)/gamma), DFlash Eq. 4) or reach (the tokens
+    decoding accepts at slot k or later, measured on the step's own predictions: train.replay)."""
+    visit_weight: float = 0.0
+    """Extra loss weight of the blocks whose anchors speculative decoding with the current drafter
+    would visit (the positions right after a rejection), found from the step's own predictions
+    (train.replay); 0 = every anchor alike."""
     mask_token_id: int = -1
     """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first vocabulary
     padding row, else an unused special token; see cache_format.target.choose_mask_token)."""
@@ -98,12 +107,14 @@ class TrainConfig:
     keep (every chunk's logits stay alive until backward)."""
     val_samples: int = 0
     """Samples held out of training (a seeded choice; whole prompts when the store has prompt keys,
-    so at least this many); their teacher-forced loss, acc and sim_tau (fixed anchors) are logged
-    as val_* every val_every steps, to see overfitting; the best sim_tau's weights are kept."""
+    so at least this many). Every val_every steps their teacher-forced loss, acc and sim_tau (an
+    anchor at every response position) are logged as val_*, and val_decode_tau: speculative
+    decoding replayed along the stored responses (train.replay); the best val_decode_tau's weights
+    are kept."""
     val_every: int = 100
     """Steps between held-out evaluations (and one at the end)."""
     patience: int = 0
-    """Stop once this many held-out evaluations in a row bring no new best val_sim_tau (0 = never);
+    """Stop once this many held-out evaluations in a row bring no new best val_decode_tau (0 = never);
     needs val_samples. The best weights are kept either way (checkpoints/best-STEP)."""
     grad_reduce: str = "fp32"
     """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
@@ -134,6 +145,10 @@ class TrainConfig:
             raise ValueError(f"max_steps and time_limit must be >= 0, got {self.max_steps}, {self.time_limit}")
         if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
             raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
+        if self.position_weights not in POSITION_WEIGHTS:
+            raise ValueError(f"position_weights must be one of {POSITION_WEIGHTS}, got {self.position_weights!r}")
+        if not 0 <= self.visit_weight < float("inf"):
+            raise ValueError(f"visit_weight must be a finite number >= 0, got {self.visit_weight}")
         if self.loss_backward not in LOSS_BACKWARDS:
             raise ValueError(f"loss_backward must be one of {LOSS_BACKWARDS}, got {self.loss_backward!r}")
         if self.grad_reduce not in GRAD_REDUCES:

@@ -17,6 +17,7 @@ import torch
 from cache_format import StoreReader
 from cache_format.codec import fp8_dequantize
 from train.anchors import IGNORE, build_blocks, sample_anchors
+from train.replay import anchor_spans
 
 __all__ = ["BatchDataset", "CollateSettings", "collate", "holdout_mask", "plan_epoch", "plan_holdout", "to_device"]
 
@@ -128,7 +129,8 @@ class BatchDataset(torch.utils.data.Dataset):
 def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors: int, block_size: int,
             mask_token_id: int, generator: torch.Generator, with_last_hidden: bool) -> dict[str, torch.Tensor]:
     """Pad a micro-batch into the batch keys: "hidden" [b, T, K'*H] (the taps chosen by tap_index),
-    "anchors" [b, N], "block_ids"/"block_pos"/"labels" [b, N*bs], "ctx_len" [b], and with
+    "anchors" [b, N] and "anchor_span" [b, N] (the response span of each anchor, -1 for padding),
+    "block_ids"/"block_pos"/"labels" [b, N*bs], "ctx_len" [b], and with
     with_last_hidden "block_last_hidden" [b, N*bs, H] (the target's final state that teaches each slot).
 
     Samples read with fp8 bits give "hidden" as uint8 bits and "hidden_scale" [b, T, K'] (float32,
@@ -145,6 +147,7 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
     hidden = torch.zeros(b, t, len(tap_index) * hsz, dtype=torch.uint8 if fp8 else torch.bfloat16)
     scales = torch.zeros(b, t, len(tap_index)) if fp8 else None
     anchors = torch.full((b, n), -1, dtype=torch.long)
+    spans = torch.full((b, n), -1, dtype=torch.long)
     ids = torch.full((b, n * block_size), mask_token_id, dtype=torch.long)
     pos = torch.zeros(b, n * block_size, dtype=torch.long)
     labels = torch.full((b, n * block_size), IGNORE, dtype=torch.long)
@@ -155,12 +158,13 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
         if scales is not None:
             scales[j, :L] = s.hidden_scale[:, tap_index]
         anchors[j, : len(a)] = a
+        spans[j, : len(a)] = anchor_spans(s.loss_mask, a)
         ids[j, :m], pos[j, :m], labels[j, :m] = bi, bp, bl
         if block_last is not None and m:
             # slot k (token p+k) is taught by the target's final state at p+k-1
             block_last[j, :m] = s.last_hidden[(bp - 1).clamp(min=0, max=L - 1)]
     out = {"hidden": hidden, "ctx_len": torch.tensor([len(s.input_ids) for s in samples]), "anchors": anchors,
-           "block_ids": ids, "block_pos": pos, "labels": labels}
+           "anchor_span": spans, "block_ids": ids, "block_pos": pos, "labels": labels}
     if block_last is not None:
         out["block_last_hidden"] = block_last
     if scales is not None:

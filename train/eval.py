@@ -233,7 +233,7 @@ def _plot(res: dict[str, Any], path: Path) -> None:
 
 @click.command()
 @click.option("--run", default="", help="Training run directory (its checkpoint is evaluated).")
-@click.option("--checkpoint", default="", help="'best' (best held-out sim_tau), 'latest' (newest step-N) or a "
+@click.option("--checkpoint", default="", help="'best' (best held-out decoding τ), 'latest' (newest step-N) or a "
               "checkpoint directory [default: best if the run validated, else latest].")
 @click.option("--export", default="", help="An exported directory: evaluated as served (bf16 weights, loaded by "
               "AutoModel with trust_remote_code), beside the checkpoint when --run is given too.")

@@ -1,6 +1,7 @@
-"""Position-decayed cross-entropy (and optional forward KL) over the frozen lm_head, in chunks.
+"""Weighted cross-entropy (and optional forward KL) over the frozen lm_head, in chunks.
 
-Slot k >= 1 of a block has weight exp(-(k-1)/gamma) (DFlash Eq. 4; gamma = 7 for block 16); the
+By default slot k >= 1 of a block has weight exp(-(k-1)/gamma) (DFlash Eq. 4; gamma = 7 for block
+16); decode-aware weights (`Weighting`, train.replay) are built from the same forward's hits. The
 loss is sum(w * loss) / sum(w) over supervised slots. Logits for all draft positions never exist
 at once: rows go through lm_head in chunks, and by default each chunk's gradient is formed in the
 forward pass so backward needs neither its logits nor a second lm_head matmul.
@@ -10,15 +11,17 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from train.anchors import IGNORE
-from train.config import LOSS_BACKWARDS
+from train.config import LOSS_BACKWARDS, POSITION_WEIGHTS
+from train.replay import block_accepts, reach_weights, visit_weights
 
-__all__ = ["LossOut", "acceptance_from_acc", "decay_weights", "draft_loss"]
+__all__ = ["LossOut", "Weighting", "acceptance_from_acc", "decay_weights", "draft_loss"]
 
 
 def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -37,7 +40,8 @@ def acceptance_from_acc(acc: list[float]) -> float:
 
 
 class LossOut(dict):
-    """loss (scalar, differentiable), weight_sum, correct[B], count[B] (per block slot)."""
+    """loss (scalar, differentiable), weight_sum, correct[B], count[B] (per block slot); with
+    `replay`, also accepts [b, N] (accepted drafts per block: train.replay.block_accepts)."""
 
 
 def _loss_rows(logits, labels, t_logits, kl_weight: float):
@@ -53,21 +57,21 @@ def _loss_rows(logits, labels, t_logits, kl_weight: float):
     return loss, logp, t_p, logp.argmax(-1) == labels
 
 
-def _chunk_terms(h, lm_head, labels, w, teacher, kl_weight):
+def _chunk_terms(h, lm_head, labels, teacher, kl_weight):
     t_logits = teacher @ lm_head.T if kl_weight > 0 else None
     loss, _, _, hit = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight)
-    return (loss * w).sum(), hit
+    return loss, hit
 
 
-def _head_grad(logits, labels, w, t_logits, kl_weight: float):
-    """One chunk's weighted loss sum, d(loss)/d(logits) [c, V] in the logits' dtype, and hits [c]:
-    d = w * (softmax - (1 - kl) onehot - kl p_teacher)."""
+def _head_grad(logits, labels, t_logits, kl_weight: float):
+    """One chunk's per-row loss [c], d(row loss)/d(logits) [c, V] in the logits' dtype, and hits [c]:
+    d = softmax - (1 - kl) onehot - kl p_teacher."""
     loss, logp, t_p, hit = _loss_rows(logits, labels, t_logits, kl_weight)
     d = logp.exp_()  # softmax, in place of the log-probs (no longer needed)
     if t_p is not None:
         d.sub_(t_p, alpha=kl_weight)
     d[torch.arange(len(d), device=d.device), labels] -= 1 - kl_weight
-    return (loss * w).sum(), d.mul_(w[:, None]).to(logits.dtype), hit
+    return loss, d.to(logits.dtype), hit
 
 
 @functools.lru_cache(maxsize=1)
@@ -78,37 +82,59 @@ def _compiled_head_grad():
 
 
 class _FusedHeadLoss(torch.autograd.Function):
-    """Chunked lm_head + loss whose backward needs no logits. The lm_head is frozen, so the only
-    gradient is the one with respect to the rows; each chunk forms it in the forward pass, right after
-    its softmax (d loss / d logits = w * (p - (1 - kl) onehot - kl p_teacher)), and keeps only that
-    [c, H] result. Same FLOPs as keeping the logits, memory of one chunk, no recomputed matmul."""
+    """Chunked lm_head + per-row loss whose backward needs no logits. The lm_head is frozen, so the
+    only gradient is the one with respect to the rows; each chunk forms it in the forward pass,
+    right after its softmax (d row loss / d logits = p - (1 - kl) onehot - kl p_teacher), and keeps
+    only that [c, H] result. Same FLOPs as keeping the logits, memory of one chunk, no recomputed
+    matmul. The rows' loss weights are applied by autograd afterwards (backward scales each row's
+    gradient by its weight), so weights built from this very forward's hits cost nothing extra."""
 
     @staticmethod
-    def forward(ctx, rows, lm_head, labels, w, teacher, kl_weight, chunk, compiled):
+    def forward(ctx, rows, lm_head, labels, teacher, kl_weight, chunk, compiled):
         head_grad = _compiled_head_grad() if compiled else _head_grad
-        total = rows.new_zeros((), dtype=torch.float32)
-        grads, hits = [], []
+        losses, grads, hits = [], [], []
         for i in range(0, len(rows), chunk):
             sl = slice(i, i + chunk)
             t_logits = teacher[sl] @ lm_head.T if teacher is not None else None  # [c, V]
-            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], w[sl], t_logits, kl_weight)
-            total = total + part
+            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], t_logits, kl_weight)
+            losses.append(part)
             grads.append((d @ lm_head).to(rows.dtype))  # [c, H]; d has the logits' (= lm_head's) dtype
             hits.append(hit)
         ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(rows))
+        loss = torch.cat(losses) if losses else rows.new_zeros(0, dtype=torch.float32)
         hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=rows.device)
         ctx.mark_non_differentiable(hit)
-        return total, hit
+        return loss, hit
 
     @staticmethod
-    def backward(ctx, g_total, g_hit):
+    def backward(ctx, g_loss, g_hit):
         (grad,) = ctx.saved_tensors
-        return grad * g_total.to(grad.dtype), None, None, None, None, None, None, None
+        return grad * g_loss[:, None].to(grad.dtype), None, None, None, None, None, None
+
+
+def _row_losses(rows, lm_head, lab, tea, kl_weight, chunk, backward, compiled):
+    """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks."""
+    grad = torch.is_grad_enabled() and rows.requires_grad
+    if grad and backward == "fused":
+        return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight, chunk, compiled)
+    losses, hits = [], []
+    for i in range(0, len(rows), chunk):
+        sl = slice(i, i + chunk)
+        args = (rows[sl], lm_head, lab[sl], tea[sl] if tea is not None else None, kl_weight)
+        part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False) if grad and backward == "recompute" \
+            else _chunk_terms(*args)
+        losses.append(part)
+        hits.append(hit)
+    if not losses:
+        return rows.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.bool, device=rows.device)
+    return torch.cat(losses), torch.cat(hits)
 
 
 def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
-               chunk: int = 2048, backward: str = "fused", compiled: bool = False) -> LossOut:
+               chunk: int = 2048, backward: str = "fused", compiled: bool = False,
+               weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
+               spans: torch.Tensor | None = None, replay: bool = False) -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss); teacher [B, Q, H] or None.
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
@@ -117,6 +143,11 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more lm_head
     matmul), "keep" leaves every chunk's logits alive until backward (most memory). `compiled`
     runs the fused path's per-chunk softmax and gradient through torch.compile.
+
+    The row weights are the position decay exp(-(k-1)/gamma) unless `weighting` asks for
+    decode-aware ones, built from this forward's own hits (train.replay): `anchors` and `spans`
+    [B, N] are the blocks' anchor positions and response spans, needed for the anchor weights and
+    for `replay` (the accepted drafts per block, returned as "accepts").
     """
     if backward not in LOSS_BACKWARDS:
         raise ValueError(f"backward must be one of {LOSS_BACKWARDS}, got {backward!r}")
@@ -124,33 +155,67 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     if lm_head.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
         lm_head = lm_head.to(hidden.dtype)  # CPU float32 training over a bf16 store
     slot = torch.arange(q, device=hidden.device) % block_size
-    w_all = decay_weights(block_size, gamma).to(hidden.device)[slot].expand(b, q)
     keep = labels != IGNORE
-    rows, lab, w, s = hidden[keep], labels[keep], w_all[keep], slot.expand(b, q)[keep]
+    rows, lab, s = hidden[keep], labels[keep], slot.expand(b, q)[keep]
     # the store's teacher states are bf16; on CPU the drafter trains in float32 (no autocast)
     tea = teacher[keep].to(rows.dtype) if teacher is not None else None
     if kl_weight > 0 and tea is None:
         raise ValueError("KL loss needs the stored final hidden state (extract with --last-hidden)")
-    grad = torch.is_grad_enabled() and rows.requires_grad
-    if grad and backward == "fused":
-        total, hit = _FusedHeadLoss.apply(rows, lm_head, lab, w, tea if kl_weight > 0 else None, kl_weight, chunk,
-                                          compiled)
-    else:
-        total = hidden.new_zeros((), dtype=torch.float32)
-        hits = []
-        for i in range(0, len(rows), chunk):
-            sl = slice(i, i + chunk)
-            args = (rows[sl], lm_head, lab[sl], w[sl], tea[sl] if tea is not None else None, kl_weight)
-            part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False) if grad and backward == "recompute" \
-                else _chunk_terms(*args)
-            total = total + part
-            hits.append(hit)
-        hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    row_loss, hit = _row_losses(rows, lm_head, lab, tea, kl_weight, chunk, backward, compiled)
+    weighting = weighting or Weighting()
+    dense = None
+    if replay or weighting.decode_aware:
+        dense = torch.zeros(b, q, dtype=torch.bool, device=hidden.device).masked_scatter_(keep, hit)
+        dense = dense.view(b, q // block_size, block_size)  # [B, N, bs]
+    w_all = weighting.row_weights(dense, keep, anchors, spans, block_size=block_size, gamma=gamma)  # [B, Q]
+    w = w_all[keep]
     wsum = w.sum()
+    loss = (row_loss * w).sum() / wsum.clamp(min=1e-12)
     correct = torch.zeros(block_size, device=hidden.device).index_add_(0, s, hit.float())
     count = torch.zeros(block_size, device=hidden.device).index_add_(0, s, torch.ones_like(hit, dtype=torch.float32))
-    loss = total / wsum.clamp(min=1e-12)
-    return LossOut(loss=loss, weight_sum=wsum.detach(), correct=correct.detach(), count=count.detach())
+    out = LossOut(loss=loss, weight_sum=wsum.detach(), correct=correct.detach(), count=count.detach())
+    if replay:
+        out["accepts"] = block_accepts(dense)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Weighting:
+    """Which loss weights a block's slots get (train.replay builds the decode-aware ones)."""
+
+    position: str = "decay"
+    """decay: exp(-(k-1)/gamma) per slot k (DFlash Eq. 4); reach: each slot by the accepted tokens
+    it leads to in this batch (train.replay.reach_weights)."""
+    visit_weight: float = 0.0
+    """Extra weight of the blocks whose anchors decoding with the current drafter visits (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.position not in POSITION_WEIGHTS:
+            raise ValueError(f"position weights must be one of {POSITION_WEIGHTS}, got {self.position!r}")
+        if not self.visit_weight >= 0:
+            raise ValueError(f"visit_weight must be >= 0, got {self.visit_weight}")
+
+    @property
+    def decode_aware(self) -> bool:
+        return self.position != "decay" or self.visit_weight > 0
+
+    def row_weights(self, hit: torch.Tensor | None, keep: torch.Tensor, anchors: torch.Tensor | None,
+                    spans: torch.Tensor | None, *, block_size: int, gamma: float) -> torch.Tensor:
+        """float32 [B, Q] loss weight of each query row (0 where unlabelled is harmless: those rows are dropped).
+
+        hit [B, N, bs] (this forward's hits; needed when decode_aware), keep [B, Q] labelled rows."""
+        b, q = keep.shape
+        if self.position == "reach":
+            per_slot = reach_weights(hit, keep.view(hit.shape))
+        else:
+            per_slot = decay_weights(block_size, gamma).to(keep.device)
+        w = per_slot.repeat(q // block_size).expand(b, q)  # [B, Q]
+        if self.visit_weight > 0:
+            if anchors is None or spans is None:
+                raise ValueError("visit weights need the blocks' anchors and spans")
+            visit = visit_weights(anchors, block_accepts(hit), spans, self.visit_weight)  # [B, N]
+            w = w * visit.repeat_interleave(block_size, dim=1)
+        return w
 
 
 def default_gamma(block_size: int) -> float:

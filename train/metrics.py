@@ -84,7 +84,8 @@ def trim_metrics(run: str | os.PathLike, step: int) -> None:
 
 
 def plot_metrics(run: str | os.PathLike) -> list[Path]:
-    """loss.png and sim_tau.png from metrics.jsonl (training rows, and held-out rows if any)."""
+    """loss.png and sim_tau.png from metrics.jsonl (training rows, and held-out rows if any; the
+    replayed decoding τ beside sim_tau)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +95,10 @@ def plot_metrics(run: str | os.PathLike) -> list[Path]:
     out = []
     for key, label in (("loss", "loss"), ("sim_tau", "teacher-forced expected acceptance τ")):
         fig, ax = plt.subplots(figsize=(7, 4))
-        for k, name in ((key, "training batches"), (f"val_{key}", "held-out samples")):
+        series = [(key, "training batches"), (f"val_{key}", "held-out samples")]
+        if key == "sim_tau":
+            series.append(("val_decode_tau", "held-out decoding τ (replayed)"))
+        for k, name in series:
             pts = [(r["step"], r[k]) for r in rows if k in r]  # held-out rows are their own lines
             if pts:
                 ax.plot(*zip(*pts), label=name, marker="o" if k.startswith("val_") else None)

@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from train.anchors import IGNORE
 from train.data import BatchDataset, to_device
-from train.losses import LossOut, acceptance_from_acc, draft_loss
+from train.losses import LossOut, Weighting, acceptance_from_acc, draft_loss
 from train.masks import dense_mask, flex_block_mask
 from train.model import DFlashDrafter
+from train.replay import replay_counts
 
 __all__ = ["LossSettings", "StepStats", "evaluate_holdout", "forward_backward", "forward_loss", "lr_lambda",
            "make_optimizer"]
@@ -40,10 +41,13 @@ class LossSettings:
     """fused, recompute or keep: how the lm_head chunks get their gradients."""
     compiled: bool = False
     """The per-chunk softmax and gradient compiled (with --compile)."""
+    weighting: Weighting = Weighting()
+    """The rows' loss weights: the fixed decay, or decode-aware ones from the step's own hits."""
 
 
-def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings) -> LossOut:
-    """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU)."""
+def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, replay: bool = False) -> LossOut:
+    """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU);
+    with `replay`, also the accepted drafts per block (LossOut "accepts")."""
     taps = batch["hidden"]  # [b, T, K*H]: the tapped layers' states
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
@@ -53,7 +57,8 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings) -> L
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
         return draft_loss(hidden, batch["labels"], core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
                           teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, chunk=loss.chunk,
-                          backward=loss.backward, compiled=loss.compiled)
+                          backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
+                          anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay)
 
 
 def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings, grad_scale: float = 1.0) -> LossOut:
@@ -66,18 +71,26 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings, 
 @torch.no_grad()
 def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int,
                      loss: LossSettings) -> dict[str, Any]:
-    """Teacher-forced loss, per-slot accuracy and sim_tau over the held-out micro-batches (all ranks)."""
+    """Over the held-out micro-batches (all ranks; an anchor at every response position): the
+    teacher-forced loss, per-slot accuracy and sim_tau, and val_decode_tau, speculative decoding
+    replayed along the stored responses (train.replay.replay_counts). The loss is the plain decayed
+    one whatever the run trains with, so runs with other weightings compare."""
     model.eval()
-    plain = dataclasses.replace(loss, backward="fused", compiled=False)  # no backward here
+    plain = dataclasses.replace(loss, backward="fused", compiled=False, weighting=Weighting())  # no backward here
     stats = StepStats(loss.block_size, device)
     for i in range(len(ds)):
         batch = to_device(ds[i], device)
-        stats.add(forward_loss(model, batch, plain), batch, by_weight=True)
+        out = forward_loss(model, batch, plain, replay=True)
+        stats.add(out, batch, by_weight=True)
+        tokens, forwards = replay_counts(batch["anchors"], out["accepts"], batch["anchor_span"])
+        stats.sums["replay_tokens"] += tokens
+        stats.sums["replay_forwards"] += forwards
     s = stats.reduced(world)
     model.train()
     acc = s.acc()
     return {"val_loss": float(s["loss"] / s["weight"].clamp(min=1e-12)), "val_acc": acc,
-            "val_sim_tau": acceptance_from_acc(acc)}
+            "val_sim_tau": acceptance_from_acc(acc),
+            "val_decode_tau": float(s["replay_tokens"] / s["replay_forwards"].clamp(min=1))}
 
 
 def make_optimizer(model: DFlashDrafter, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -119,7 +132,7 @@ class StepStats:
     def reset(self) -> None:
         z = lambda *n: torch.zeros(*n, device=self.device)  # noqa: E731
         self.sums = {"correct": z(self.block_size), "count": z(self.block_size), "loss": z(1), "weight": z(1),
-                     "positions": z(1)}
+                     "positions": z(1), "replay_tokens": z(1), "replay_forwards": z(1)}
         self.micro_batches, self.wait = 0, 0.0
         self.since = time.time()  # the start of the row's time (validation and checkpoints are left out)
 

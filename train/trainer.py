@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from train.data import BatchDataset, CollateSettings, holdout_mask, plan_epoch, 
 from train.data_parallel import data_parallel
 from train.export import start_weights
 from train.follow import StoreView, agree_view, view_of, wait_for_store
-from train.losses import acceptance_from_acc, default_gamma
+from train.losses import Weighting, acceptance_from_acc, default_gamma
 from train.masks import use_flex_attention
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
 from train.model import DFlashDrafter, DrafterConfig
@@ -71,6 +72,9 @@ def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor]) -> DFlashD
 # the real-target runs), and with the workers started 2 steps early still up to 26% (SmolLM2 shape,
 # 8 steps/s) and 9.9% (8B shape, DDP). Memory: one more set of workers' prefetched batches meanwhile.
 AHEAD_STEPS = 8
+# The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
+# not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
+BEST_BY = "val_decode_tau"
 
 
 def _check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
@@ -148,7 +152,8 @@ class Trainer:
         self.loss = LossSettings(block_size=cfg.block_size, gamma=cfg.gamma or default_gamma(cfg.block_size),
                                  kl_weight=cfg.effective_kl_weight,
                                  use_flex=use_flex_attention(cfg.attention, self.device.type, self.dc.head_dim),
-                                 chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile)
+                                 chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile,
+                                 weighting=Weighting(position=cfg.position_weights, visit_weight=cfg.visit_weight))
         if self.rank == 0:  # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
         self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": self.layer_ids,
@@ -159,8 +164,8 @@ class Trainer:
                               config={k: self.record[k] for k in ("train", "drafter")})
         self.val_ds = self._holdout_dataset()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
-        best = json.loads((best_ck / "state.json").read_text()) if best_ck else {"step": self.step, "val_sim_tau": float("-inf")}
-        self.best_score = best["val_sim_tau"]
+        best = json.loads((best_ck / "state.json").read_text()) if best_ck else {"step": self.step, BEST_BY: float("-inf")}
+        self.best_score = best[BEST_BY]
         self.stale = max(0, self.step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
         self.stats = StepStats(cfg.block_size, self.device)
         self.saved_at = -1  # the step last checkpointed: a run's end often falls on a --checkpoint-every step
@@ -227,8 +232,10 @@ class Trainer:
         r, held = self.reader, self.held
         micro = plan_holdout(r.sample_ids[held], r.lengths()[held], r.buckets()[held],
                              token_budget=self.cfg.token_budget, ranks=self.world, rank=self.rank)
-        # fixed anchors (epoch -1 keys): every evaluation scores the same blocks
-        return BatchDataset(self.cfg.store, micro, list(range(len(micro))), self.collate, seed=self.cfg.seed,
+        # an anchor at every response position, so decoding can be replayed along the stored responses
+        # (train.replay); the same blocks at every evaluation
+        every = dataclasses.replace(self.collate, num_anchors=int(r.lengths()[held].max(initial=1)))
+        return BatchDataset(self.cfg.store, micro, list(range(len(micro))), every, seed=self.cfg.seed,
                             epoch=-1, verify_shards=self.cfg.check_shards)
 
     # ------------------------------------------------------------------ the steps
@@ -262,16 +269,15 @@ class Trainer:
         self.stats.reset()
 
     def validate(self, epoch: int) -> None:
-        """Held-out loss, accuracy and sim_tau; a new best is kept as checkpoints/best-STEP."""
+        """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as checkpoints/best-STEP."""
         row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world, loss=self.loss)
         self.log.write({"step": self.step, "epoch": epoch, **row})
         self.stale += 1
-        if row["val_sim_tau"] > self.best_score:  # every rank holds the all-reduced row: all agree
-            self.best_score, self.stale = row["val_sim_tau"], 0
+        if row[BEST_BY] > self.best_score:  # every rank holds the all-reduced row: all agree
+            self.best_score, self.stale = row[BEST_BY], 0
             if self.rank == 0:
                 save_best(self.cfg.out, self.step, model=self.model,
-                          state={"step": self.step, "epoch": epoch, "val_sim_tau": self.best_score,
-                                 "val_loss": row["val_loss"], "config": self.cfg.to_dict(), **self.record})
+                          state={"step": self.step, "epoch": epoch, **row, "config": self.cfg.to_dict(), **self.record})
             if self.world > 1:
                 dist.barrier()
 

@@ -87,6 +87,51 @@ def test_overfit_drafter_tau_above_one_and_lossless(trained):
     assert abs(res["prompt_lookup_tau_by_source"][prompts] - res["baseline_prompt_lookup_tau"]) < 1e-9
 
 
+def test_replayed_decoding_tau_equals_real_decoding(trained):
+    """val_decode_tau (one batched training forward with an anchor at every response position,
+    decoding replayed along the stored greedy answer) equals speculative decoding with the same
+    weights against the real target, prompt by prompt and over the held-out pass."""
+    from cache_format import StoreReader
+    from cache_format.target import load_target
+    from train.data import BatchDataset, CollateSettings
+    from train.export import hf_drafter
+    from train.losses import default_gamma
+    from train.replay import replay_counts
+    from train.step import LossSettings, evaluate_holdout, forward_loss
+    from train.trainer import build_drafter
+
+    target, _, run = trained
+    store = str(Path(run).parent / "s.zarr")
+    reader = StoreReader(store)
+    weights, _, state = load_checkpoint(latest_checkpoint(run))
+    dc = DrafterConfig(**state["drafter"])
+    model = build_drafter(dc, reader.frozen())
+    model.load_state_dict(weights, strict=False)
+    every = CollateSettings(tap_index=(0, 1), num_stored_taps=2, num_anchors=10_000, block_size=dc.block_size,
+                            mask_token_id=dc.mask_token_id, with_last_hidden=False)
+    loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size))
+    tgt = load_target(target, device=torch.device("cpu")).model
+    served = hf_drafter(state, weights).eval()
+    ids = [int(x) for x in reader.sample_ids]
+    new_total = forwards_total = 0
+    for sid in ids:
+        batch = BatchDataset(store, [[sid]], [0], every, seed=0, epoch=-1)[0]
+        with torch.no_grad():
+            out = forward_loss(model, batch, loss, replay=True)
+        tokens, forwards = replay_counts(batch["anchors"], out["accepts"], batch["anchor_span"])
+        sample = reader.get_batch([sid])[0]
+        p = int(sample.loss_mask.nonzero()[0])
+        spec = served.spec_generate(tgt, sample.input_ids[None, :p], max_new_tokens=len(sample.input_ids) - p,
+                                    eos_token_id=[])
+        assert spec["sequences"][0].tolist() == sample.input_ids.tolist()  # the store holds the greedy path
+        assert (int(tokens), int(forwards)) == (len(sample.input_ids) - p, spec["target_forwards"]), sid
+        new_total, forwards_total = new_total + int(tokens), forwards_total + spec["target_forwards"]
+    assert forwards_total < 0.8 * new_total  # the drafter is accepted: the check is not 1 == 1
+    held = BatchDataset(store, [ids], [0], every, seed=0, epoch=-1)  # all prompts in one padded batch
+    row = evaluate_holdout(model, held, torch.device("cpu"), world=1, loss=loss)
+    assert row["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6)
+
+
 def test_wrong_drafter_is_still_lossless(trained, tmp_path):
     _, prompts, run = trained
     weights, _, state = load_checkpoint(latest_checkpoint(run))

@@ -83,6 +83,27 @@ def test_resume_continues_identically(store, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
 
+def test_decode_aware_weights_train_and_resume_bit_identically(store, tmp_path):
+    # the weights come from each step's own predictions: a resume must draw the same ones
+    kw = dict(max_steps=20, checkpoint_every=10, position_weights="reach", visit_weight=1.0, val_samples=4,
+              val_every=10)
+    train(_cfg(store, tmp_path / "full", **kw))
+    part = tmp_path / "part"
+    train(_cfg(store, part, **kw))
+    _kill_after(part, 10)
+    train(_cfg(store, part, resume=True, **kw))
+    a, b = _metrics(tmp_path / "full"), _metrics(part)
+    assert [r.get("loss") for r in a] == [r.get("loss") for r in b]
+    assert a[-2]["loss"] < a[0]["loss"] and "val_decode_tau" in a[-1]
+    wa = load_checkpoint(latest_checkpoint(tmp_path / "full"))[0]
+    wb = load_checkpoint(latest_checkpoint(part))[0]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    with pytest.raises(ValueError, match="position_weights"):
+        _cfg(store, tmp_path / "x", position_weights="flat")
+    with pytest.raises(ValueError, match="visit_weight"):
+        _cfg(store, tmp_path / "x", visit_weight=float("inf"))
+
+
 def test_time_limit_stops_at_a_logged_step_with_a_checkpoint_and_resume_finishes(store, tmp_path):
     out = tmp_path / "t"
     res = train(_cfg(store, out, max_steps=20, time_limit=1e-6, val_samples=4, val_every=3))  # past it at row one
@@ -232,9 +253,10 @@ def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss):
     assert [r["step"] for r in val] == [20, 40, 60]
     assert val[-1]["val_loss"] < val[0]["val_loss"] and len(val[-1]["val_acc"]) == 3
     assert all("loss" in r for r in rows if "val_loss" not in r)  # training rows are unchanged
-    top = max(val, key=lambda r: r["val_sim_tau"])  # the first of equal scores: only a gain replaces the best
+    assert all(1.0 <= r["val_decode_tau"] <= 4 for r in val)  # at most block_size (4); agreement: test_eval
+    top = max(val, key=lambda r: r["val_decode_tau"])  # the first of equal scores: only a gain replaces the best
     state = json.loads((best_checkpoint(tmp_path / "v") / "state.json").read_text())
-    assert (state["step"], state["val_sim_tau"]) == (top["step"], top["val_sim_tau"])
+    assert (state["step"], state["val_decode_tau"]) == (top["step"], top["val_decode_tau"])
     with pytest.raises(ValueError, match="follow"):
         _cfg(store, tmp_path / "w", val_samples=4, follow=True)
 
@@ -283,7 +305,7 @@ def test_the_best_held_out_checkpoint_is_kept_and_survives_a_resume(store, tmp_p
     scored, scores = trainer.evaluate_holdout, iter([1.2, 1.5, 1.4, 1.3, 1.1])
 
     def scripted(*args, **kwargs):
-        return {**scored(*args, **kwargs), "val_sim_tau": next(scores)}
+        return {**scored(*args, **kwargs), "val_decode_tau": next(scores)}
 
     monkeypatch.setattr(trainer, "evaluate_holdout", scripted)
     out = tmp_path / "b"
@@ -292,7 +314,7 @@ def test_the_best_held_out_checkpoint_is_kept_and_survives_a_resume(store, tmp_p
     assert best.name == "best-20"
     wb, _, sb = load_checkpoint(best)
     ws, _, _ = load_checkpoint(out / "checkpoints" / "step-20")
-    assert sb["val_sim_tau"] == 1.5 and sb["step"] == 20 and "drafter" in sb
+    assert sb["val_decode_tau"] == 1.5 and sb["step"] == 20 and "drafter" in sb
     for k in ws:
         torch.testing.assert_close(wb[k], ws[k], rtol=0, atol=0)
     # cut back to step 30, as if killed there, and resume: a fresh best score (-inf) would keep best-50
@@ -309,7 +331,7 @@ def test_patience_stops_after_evaluations_without_a_new_best(store, tmp_path, mo
     scored, scores = trainer.evaluate_holdout, iter([1.2, 1.5, 1.4, 1.3, 1.1, 1.0])
 
     def scripted(*args, **kwargs):
-        return {**scored(*args, **kwargs), "val_sim_tau": next(scores)}
+        return {**scored(*args, **kwargs), "val_decode_tau": next(scores)}
 
     monkeypatch.setattr(trainer, "evaluate_holdout", scripted)
     out = tmp_path / "p"

@@ -1,0 +1,184 @@
+"""Decoding replayed from one batched forward (train.replay), against loops that decode step by step,
+and the decode-aware loss weights against a naive loop."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from train.acceptance import decode_chain
+from train.anchors import IGNORE
+from train.losses import Weighting, decay_weights, draft_loss
+from train.replay import anchor_spans, block_accepts, decode_visits, reach_weights, replay_counts
+
+
+def _loop_visits(anchors: list[int], accepts: list[int], spans: list[int]) -> set[int]:
+    """Indices decoding visits: from each span's first anchor, jump to position p + a + 1, or the
+    first anchor after it in the same span where that position holds none."""
+    seen = set()
+    for i, (p, s) in enumerate(zip(anchors, spans)):
+        if p < 0 or (i > 0 and spans[i - 1] == s):
+            continue
+        j = i
+        while True:
+            seen.add(j)
+            want = anchors[j] + accepts[j] + 1
+            nxt = [k for k in range(len(anchors)) if anchors[k] >= want and spans[k] == s]
+            if not nxt:
+                break
+            j = nxt[0]
+    return seen
+
+
+def _random_batch(rng: random.Random, b: int, full: bool):
+    """Anchors (sorted, -1 padding), spans and accepts of b sequences of 1-3 response spans."""
+    rows = []
+    for _ in range(b):
+        mask, pos = [], 0
+        for _ in range(rng.randint(1, 3)):
+            mask += [0] * rng.randint(1, 5) + [1] * rng.randint(1, 30)
+        mask = torch.tensor(mask)
+        valid = [p for p in range(len(mask) - 1) if mask[p] and mask[p + 1]]
+        if not full:
+            valid = sorted(rng.sample(valid, k=rng.randint(0, len(valid))))
+        a = torch.tensor(valid, dtype=torch.long)
+        spans = anchor_spans(mask, a) if len(a) else a
+        # an acceptance never runs past the span's end (labels stop there)
+        ends = {int(s): max(p for p in range(len(mask)) if mask[p] and anchor_spans(mask, torch.tensor([p]))[0] == s)
+                for s in spans.tolist()}
+        acc = [min(rng.randint(0, 7), ends[int(s)] - int(p)) for p, s in zip(a.tolist(), spans.tolist())]
+        rows.append((a, spans, torch.tensor(acc, dtype=torch.long), mask))
+    n = max(1, max(len(r[0]) for r in rows))
+    pad = lambda xs: torch.stack([F.pad(x, (0, n - len(x)), value=-1) for x in xs])  # noqa: E731
+    return pad([r[0] for r in rows]), pad([r[1] for r in rows]), pad([r[2] for r in rows]).clamp(min=0), rows
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_decode_visits_equal_the_loop(full):
+    rng = random.Random(0)
+    for _ in range(60):
+        anchors, spans, accepts, _ = _random_batch(rng, 4, full)
+        got = decode_visits(anchors, accepts, spans)
+        for r in range(anchors.shape[0]):
+            want = _loop_visits(anchors[r].tolist(), accepts[r].tolist(), spans[r].tolist())
+            assert set(torch.nonzero(got[r]).flatten().tolist()) == want
+
+
+def test_replay_counts_equal_decode_chain_span_by_span():
+    """With an anchor at every position, tokens / forwards is decoding's τ (train.acceptance.decode_chain)."""
+    rng = random.Random(1)
+    for _ in range(40):
+        anchors, spans, accepts, rows = _random_batch(rng, 3, full=True)
+        tokens = forwards = 0
+        for a, s, acc, _ in rows:
+            for span in s.unique().tolist():
+                sel = s == span
+                new = int(sel.sum()) + 1  # a span of n tokens has n - 1 anchors
+                tokens += new
+                forwards += len(decode_chain(acc[sel].tolist() + [0], new))
+        t, f = replay_counts(anchors, accepts, spans)
+        assert (int(t), int(f)) == (tokens, forwards)
+
+
+def test_block_accepts_and_spans():
+    hit = torch.tensor([[[True, True, True, False, True], [False, False, True, True, True]]])
+    assert block_accepts(hit).tolist() == [[2, 0]]  # slot 0 (the anchor) does not count
+    mask = torch.tensor([0, 1, 1, 1, 0, 0, 1, 1])
+    assert anchor_spans(mask, torch.tensor([1, 2, 6])).tolist() == [0, 0, 1]
+
+
+def _naive_reach(hit, labelled, floor):
+    b, n, bs = hit.shape
+    r = []
+    for j in range(1, bs):
+        num = den = 0
+        for x in range(b):
+            for y in range(n):
+                if labelled[x, y, j]:
+                    den += 1
+                    num += all(hit[x, y, i] for i in range(1, j + 1))
+        r.append(num / max(den, 1))
+    w = [sum(r[k:]) for k in range(len(r))]
+    return [0.0] + [max(v, floor * max(w[0], 1e-6)) for v in w]
+
+
+def test_reach_weights_equal_the_loop():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        hit = torch.rand(3, 5, 6, generator=g) < 0.7
+        labelled = torch.rand(3, 5, 6, generator=g) < 0.9
+        got = reach_weights(hit, labelled, floor=0.05)
+        assert got.tolist() == pytest.approx(_naive_reach(hit, labelled, 0.05), rel=1e-6, abs=1e-7)
+
+
+def _leading(hits: list[bool]) -> int:
+    n = 0
+    while n < len(hits) and hits[n]:
+        n += 1
+    return n
+
+
+def _naive_weighted_loss(hidden, labels, lm_head, bs, anchors, spans, weighting):
+    """The loss with weights from a loop: hits by argmax, then each row's weight, then the mean."""
+    b, q, _ = hidden.shape
+    logits = hidden @ lm_head.T
+    hit = torch.zeros(b, q // bs, bs, dtype=torch.bool)
+    lab = torch.zeros(b, q // bs, bs, dtype=torch.bool)
+    for x in range(b):
+        for y in range(q):
+            if labels[x, y] != IGNORE:
+                hit[x, y // bs, y % bs] = bool(logits[x, y].argmax() == labels[x, y])
+                lab[x, y // bs, y % bs] = True
+    if weighting.position == "reach":
+        per_slot = _naive_reach(hit, lab, 0.01)
+    else:
+        per_slot = decay_weights(bs, 7.0).tolist()
+    visits = set()
+    for x in range(b):
+        acc = [_leading(hit[x, y, 1:].tolist()) for y in range(q // bs)]
+        visits |= {(x, j) for j in _loop_visits(anchors[x].tolist(), acc, spans[x].tolist())}
+    num = den = 0.0
+    for x in range(b):
+        for y in range(q):
+            if labels[x, y] == IGNORE:
+                continue
+            w = per_slot[y % bs] * (1 + weighting.visit_weight * ((x, y // bs) in visits))
+            num = num + w * F.cross_entropy(logits[x, y][None], labels[x, y][None])
+            den += w
+    return num / den
+
+
+@pytest.mark.parametrize("weighting", [Weighting(position="reach"), Weighting(visit_weight=2.0),
+                                       Weighting(position="reach", visit_weight=0.5)])
+@pytest.mark.parametrize("backward", ["fused", "keep"])
+def test_decode_aware_loss_matches_the_loop(weighting, backward):
+    g = torch.Generator().manual_seed(2)
+    bs, v, h, n = 4, 12, 8, 5
+    lm_head = torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (2, n * bs), generator=g)
+    hidden = (lm_head[labels] * 2 + 0.8 * torch.randn(2, n * bs, h, generator=g)).requires_grad_()  # many hits
+    labels[:, ::bs] = IGNORE
+    labels[1, -3:] = IGNORE  # a block cut by the response's end
+    anchors = torch.tensor([[0, 1, 2, 3, 6], [2, 3, 4, 8, -1]])
+    spans = torch.tensor([[0, 0, 0, 0, 1], [0, 0, 0, 1, -1]])
+    out = draft_loss(hidden, labels, lm_head, block_size=bs, gamma=7.0, chunk=7, backward=backward,
+                     weighting=weighting, anchors=anchors, spans=spans, replay=True)
+    ref = _naive_weighted_loss(hidden, labels, lm_head, bs, anchors, spans, weighting)
+    torch.testing.assert_close(out["loss"], ref.float(), rtol=1e-5, atol=1e-6)
+    g1 = torch.autograd.grad(out["loss"], hidden)[0]
+    g2 = torch.autograd.grad(_naive_weighted_loss(hidden, labels, lm_head, bs, anchors, spans, weighting), hidden)[0]
+    torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+    assert 0 < out["accepts"].float().mean() < bs - 1  # the test exercises partial blocks
+
+
+def test_weighting_refuses_bad_values():
+    with pytest.raises(ValueError, match="position weights"):
+        Weighting(position="uniform")
+    with pytest.raises(ValueError, match="visit_weight"):
+        Weighting(visit_weight=-1.0)
+    with pytest.raises(ValueError, match="visit_weight"):
+        Weighting(visit_weight=math.nan)

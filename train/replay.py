@@ -1,0 +1,117 @@
+"""Decoding replayed along a known continuation, from one batched drafter forward.
+
+Speculative decoding does not visit anchors uniformly. After the prefill emits the first response
+token, each verification accepts `a` drafted tokens plus the target's own next one, and the next
+anchor is the last token emitted: `a + 1` positions further on, a place where the drafter just
+failed. Training stores are the target's own greedy answers, so a forward with an anchor at every
+response position knows each anchor's accepted length, and the path decoding would take follows
+from those lengths alone (train.acceptance.decode_chain walks the same path in a loop).
+
+Everything here is batched tensor code on the training device, with no host sync:
+
+- `block_accepts`: accepted drafts per block (the leading run of correct slots);
+- `anchor_spans`: which response span (assistant turn) each anchor lies in;
+- `decode_visits`: the anchors decoding visits, by pointer doubling over "next anchor" links;
+- `replay_counts`: tokens and target forwards of that decode (val_decode_tau = tokens / forwards);
+- `reach_weights` and `visit_weights`: the decode-aware loss weights built from them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["anchor_spans", "block_accepts", "decode_visits", "reach_weights", "replay_counts", "visit_weights"]
+
+
+def block_accepts(hit: torch.Tensor) -> torch.Tensor:
+    """hit bool [b, N, B] (slot k's argmax equals its label; slot 0 is the anchor) -> int64 [b, N]:
+    the leading run of hits over slots 1..B-1. A slot without a label counts as a miss, which caps
+    the run where the known continuation ends."""
+    return hit[..., 1:].long().cumprod(-1).sum(-1)
+
+
+def anchor_spans(loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """loss_mask [L], anchors [n] (positions) -> int64 [n]: the index of the supervised span
+    (a run of supervised positions: one assistant turn) that holds each anchor."""
+    m = loss_mask.bool().long()
+    starts = m.clone()
+    starts[1:] = (m[1:] - m[:-1]).clamp(min=0)
+    return (starts.cumsum(0) - 1)[anchors]
+
+
+def _next_links(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """Index of the anchor decoding drafts from after each anchor, or N (nowhere) [b, N].
+
+    After anchor p with `a` accepted, the next anchor is position p + a + 1. Where that position
+    was not sampled as an anchor (training draws at most --num-anchors per sequence), the next
+    sampled one after it stands in. Padding (-1) and another span's anchors are nowhere.
+    """
+    b, n = anchors.shape
+    big = torch.iinfo(torch.long).max
+    valid = anchors >= 0
+    pos = torch.where(valid, anchors, big)  # padding sorts last
+    want = torch.where(valid, anchors + accepts + 1, big)
+    nxt = torch.searchsorted(pos, want)  # [b, N], in 0..N
+    safe = nxt.clamp(max=n - 1)
+    same = (nxt < n) & valid & (spans.gather(1, safe) == spans) & pos.gather(1, safe).ne(big)
+    return torch.where(same, nxt, n)
+
+
+def decode_visits(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """anchors [b, N] (sorted positions, -1 padding at the end), accepts [b, N], spans [b, N]
+    -> bool [b, N]: the anchors decoding visits when it starts at the first anchor of each span.
+
+    The links only point forward, so the visited set is what the span starts reach. Pointer
+    doubling finds it in ceil(log2 N) + 1 rounds: after round r every node within 2^r links of a
+    start is marked, and the jump table is squared for the next round.
+    """
+    b, n = anchors.shape
+    valid = anchors >= 0
+    first = torch.ones_like(valid)
+    first[:, 1:] = spans[:, 1:] != spans[:, :-1]
+    mark = torch.cat([first & valid, torch.zeros(b, 1, dtype=torch.bool, device=anchors.device)], 1)  # [b, N+1]
+    jump = torch.cat([_next_links(anchors, accepts, spans),
+                      torch.full((b, 1), n, dtype=torch.long, device=anchors.device)], 1)  # N+1 is a sink
+    for _ in range(max(1, (n - 1).bit_length()) + 1):
+        reached = torch.zeros(mark.shape, device=mark.device).scatter_add_(1, jump, mark.float()) > 0
+        mark = mark | reached
+        jump = jump.gather(1, jump)
+    return mark[:, :n] & valid
+
+
+def replay_counts(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new tokens, target forwards), float32 scalars, of decoding every span of the batch along
+    its known continuation. Needs an anchor at every position of each span but its last (the
+    held-out batches are built so): a span of s tokens then has s - 1 anchors, and decoding takes
+    one forward for the prefill's token plus one per visited anchor (train.acceptance.decode_chain).
+    """
+    valid = anchors >= 0
+    first = torch.ones_like(valid)
+    first[:, 1:] = spans[:, 1:] != spans[:, :-1]
+    num_spans = (first & valid).sum()
+    tokens = valid.sum() + num_spans
+    forwards = decode_visits(anchors, accepts, spans).sum() + num_spans
+    return tokens.float(), forwards.float()
+
+
+def visit_weights(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor, extra: float) -> torch.Tensor:
+    """float32 [b, N]: 1 + extra at the anchors decoding with the current drafter visits, 1 elsewhere."""
+    return 1.0 + extra * decode_visits(anchors, accepts, spans).float()
+
+
+def reach_weights(hit: torch.Tensor, labelled: torch.Tensor, floor: float = 0.01) -> torch.Tensor:
+    """hit, labelled bool [b, N, B] -> float32 [B]: the weight of each block slot by what it is worth
+    to decoding now.
+
+    With R_j the batch's share of blocks whose slots 1..j are all correct (among those with slot j
+    labelled), expected acceptance is 1 + sum_j R_j and d tau / d log a_k = sum_{j >= k} R_j, a_k
+    being slot k's accuracy given the slots before it. Slot k's weight is that sum: the tokens
+    accepted at slot k or later. Slot 0 (the anchor) gets 0; every other slot at least `floor`
+    times slot 1's weight, so no slot is dropped for good.
+    """
+    run = hit[..., 1:].long().cumprod(-1).bool()  # [b, N, B-1]: slots 1..j all correct
+    lab = labelled[..., 1:]
+    r = (run & lab).sum((0, 1)).float() / lab.sum((0, 1)).clamp(min=1).float()  # [B-1] R_j
+    tail = r.flip(0).cumsum(0).flip(0)  # sum_{j >= k} R_j
+    w = torch.maximum(tail, floor * tail[:1].clamp(min=1e-6))
+    return torch.cat([w.new_zeros(1), w])
