@@ -38,7 +38,7 @@ def _random_batch(rng: random.Random, b: int, full: bool):
     """Anchors (sorted, -1 padding), spans and accepts of b sequences of 1-3 response spans."""
     rows = []
     for _ in range(b):
-        mask, pos = [], 0
+        mask = []
         for _ in range(rng.randint(1, 3)):
             mask += [0] * rng.randint(1, 5) + [1] * rng.randint(1, 30)
         mask = torch.tensor(mask)
@@ -74,7 +74,7 @@ def test_replay_counts_equal_decode_chain_span_by_span():
     for _ in range(40):
         anchors, spans, accepts, rows = _random_batch(rng, 3, full=True)
         tokens = forwards = 0
-        for a, s, acc, _ in rows:
+        for _a, s, acc, _ in rows:
             for span in s.unique().tolist():
                 sel = s == span
                 new = int(sel.sum()) + 1  # a span of n tokens has n - 1 anchors
