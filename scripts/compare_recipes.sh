@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Training recipes compared by decoding τ at a fixed budget: each variant trains from the same store
+# with the same steps, then is evaluated by real speculative decoding on the held-out prompts.
+#   bash scripts/scale_run.sh extract          # the store (FRACTION=0.4: ~39K samples, enough for short runs)
+#   bash scripts/compare_recipes.sh train      # every variant at once, one process each on the one GPU
+#   bash scripts/compare_recipes.sh eval       # train.eval of each variant's best checkpoint, at once
+#   bash scripts/compare_recipes.sh pack       # metrics and eval JSON of every variant into $OUT
+# On one GPU the variants run side by side: the small drafter's step leaves most of an H200 idle
+# (22% MFU), so N processes finish N runs far sooner than one after another; each gets the same
+# steps, and its rows' positions_per_s show what it got of the GPU.
+# Settings (environment): VARIANTS ("name:train options" separated by ';'), STORE, W (work dir,
+# default /root/cmp), STEPS (cosine length, default 900), TLIM (seconds each may train, 420), VAL
+# (held-out samples, 500), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
+# GGUF (the target for eval; default: the run's).
+set -uo pipefail
+stage=$1
+W=${W:-/root/cmp}; STORE=${STORE:-/dev/shm/scale.zarr}
+VARIANTS=${VARIANTS:-"uniform:;reach:--position-weights reach;visit:--visit-weight 1;block8:--block-size 8"}
+TARGET=(); [ -n "${GGUF:-}" ] && TARGET=(--target "$GGUF")
+mkdir -p "$W"
+IFS=';' read -r -a VS <<< "$VARIANTS"
+pids=()
+run_all() {  # run_all CMD...: CMD once per variant, in the background; $name and $args are set for it
+  pids=()
+  for v in "${VS[@]}"; do
+    name=${v%%:*}; args=${v#*:}
+    "$@" > "$W/$name.$stage.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done  # only the processes this script started
+}
+train_one() {
+  # shellcheck disable=SC2086
+  timeout $(( ${TLIM:-420} + 120 )) python3 -m train --config configs/smollm2-h200/train.toml --store "$STORE" \
+    --out "$W/$name" --max-steps "${STEPS:-900}" --time-limit "${TLIM:-420}" --val-samples "${VAL:-500}" \
+    --val-every 300 --checkpoint-every 300 --workers "${WORKERS:-3}" --compile $args
+}
+eval_one() {
+  python3 -m train.eval --run "$W/$name" --limit "${EVAL_LIMIT:-48}" --max-new-tokens "${TOKENS:-96}" --json \
+    "${TARGET[@]}"
+}
+case $stage in
+train) run_all train_one
+  for v in "${VS[@]}"; do
+    name=${v%%:*}
+    echo "$name: $(grep -c '"loss"' "$W/$name/metrics.jsonl" 2>/dev/null) rows; last held-out:"
+    grep val_decode_tau "$W/$name/metrics.jsonl" | tail -n 1 | python3 -c \
+      'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("step","val_loss","val_sim_tau","val_decode_tau")})'
+  done;;
+eval) run_all eval_one
+  for v in "${VS[@]}"; do
+    name=${v%%:*}
+    tail -n 1 "$W/$name.eval.log" | python3 -c 'import json,sys
+try: r = json.loads(sys.stdin.read())
+except ValueError: print("no result"); sys.exit()
+print(sys.argv[1], {k: r[k] for k in ("tau", "lossless", "speedup", "tau_by_domain", "checkpoint")})' "$name"
+  done;;
+pack)
+  out=${OUT:-/tmp/out}; mkdir -p "$out"
+  for v in "${VS[@]}"; do
+    name=${v%%:*}
+    cp "$W/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+    cp "$W/$name/eval.json" "$out/$name.eval.json" 2>/dev/null
+  done
+  ls -la "$out";;
+*) echo "stage must be train, eval or pack" >&2; exit 2;;
+esac
