@@ -25,6 +25,7 @@ SUITES = {
     "ddp": ("bench.ddp_bench", "`python -m train` on 1 GPU vs N GPUs (DDP scaling)"),
     "layout": ("bench.layout_bench", "extract on GPU 0 while `train --follow` trains on GPU 1"),
     "layout-model": ("bench.layout_model", "the 8-GPU layout model from measured rates (a projection)"),
+    "codec": ("bench.codec_bench", "bytes, error and lossless compression of bf16, fp8 and mxfp4 on real states (CPU)"),
     "worker": ("bench.worker_bench", "one DataLoader worker's seconds per micro-batch (CPU)"),
     "regen": ("bench.regen_bench", "regeneration engines side by side (static, HF generate, continuous batching)"),
     "openai": ("bench.openai_bench", "the openai engine against a local `transformers serve`"),

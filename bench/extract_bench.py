@@ -51,7 +51,7 @@ def _args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--last-hidden", action="store_true")
-    ap.add_argument("--dtype", choices=["bfloat16", "fp8_e4m3"], default="bfloat16")
+    ap.add_argument("--dtype", choices=["bfloat16", "fp8_e4m3", "mxfp4"], default="bfloat16")
     ap.add_argument("--queue-batches", type=int, default=4)
     ap.add_argument("--variants", default="thread:2",
                     help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
@@ -142,14 +142,14 @@ def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.devi
     # The ring and the writers are set up once per run (page-locking the ring takes a moment), so
     # they are made before the clock starts; everything per batch is timed, including the tail:
     # the clock stops when the last shard is committed.
-    fp8 = a.dtype == "fp8_e4m3"
-    ring = HostRing(a.queue_batches, a.batch * a.seq, ring_fields(h * 5, 5, h if a.last_hidden else 0, fp8),
+    quant = "" if a.dtype == "bfloat16" else a.dtype
+    ring = HostRing(a.queue_batches, a.batch * a.seq, ring_fields(h * 5, 5, h if a.last_hidden else 0, quant),
                     pin=dev.type == "cuda", shared=writer == "process")
     ws = ([ProcessWriter(a.store, w, ring) for w in range(n)] if writer == "process"
           else [ShardWriter(a.store, writer_id=w) for w in range(n)])
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    refused = run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden, fp8=fp8)
+    refused = run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden, quant=quant)
     sync()
     rate = tokens / (time.perf_counter() - t0)
     ring.close()

@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--dir", default="/dev/shm/draftcache_layout_bench")
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--samples", type=int, default=768)
-    ap.add_argument("--dtype", default="fp8_e4m3", choices=["bfloat16", "fp8_e4m3"])
+    ap.add_argument("--dtype", default="fp8_e4m3", choices=["bfloat16", "fp8_e4m3", "mxfp4"])
     ap.add_argument("--words", type=int, default=1400)
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=60)

@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3"],
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3", "mxfp4"],
                     help="store dtype; fp8 batches are dequantized on the GPU by to_device, inside the timed step")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
     ap.add_argument("--compile", action="store_true", help="torch.compile each drafter layer (as --compile in train)")

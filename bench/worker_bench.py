@@ -29,7 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--store", default="/dev/shm/draftcache_worker_bench.zarr")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--dtype", default="fp8_e4m3", choices=["bfloat16", "fp8_e4m3"])
+    ap.add_argument("--dtype", default="fp8_e4m3", choices=["bfloat16", "fp8_e4m3", "mxfp4"])
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--token-budget", type=int, default=4096)

@@ -46,8 +46,8 @@ def inspect(store: str, as_json: bool) -> None:
     click.echo(f"samples      {info['num_samples']:,}  tokens {info['num_tokens']:,}{prompts}")
     click.echo(f"bytes/token  {info['bytes_per_token']:,.0f} on disk, {info['logical_bytes_per_token']:,} logical "
                f"(ratio {info['compression_ratio']:.3f})  disk {info['disk_bytes'] / 2**20:,.1f} MiB")
-    if info["fp8_relative_rms_error"] is not None:
-        click.echo(f"fp8 error    relative RMS {info['fp8_relative_rms_error']:.4f}")
+    if info["quant_relative_rms_error"] is not None:
+        click.echo(f"{info['manifest']['dtype']} error relative RMS {info['quant_relative_rms_error']:.4f}")
     click.echo(f"shards       {info['shards']['complete']} complete, {info['shards']['incomplete']} incomplete (tail)")
     click.echo("bucket  tokens          samples      tokens")
     for b in info["buckets"]:

@@ -1,8 +1,10 @@
-"""How tensors become stored bytes and back: bf16 bits, fp8 with scales, compression, checksums.
+"""How tensors become stored bytes and back: bf16 bits, fp8 or mxfp4 with scales, compression, checksums.
 
 zarr v3 (3.1 and 3.4) has no bfloat16 dtype, so bf16 is stored as its uint16 bit pattern and viewed
 back without a copy. fp8_e4m3 stores one float32 scale per token per tapped layer (amax / 448), so
-an outlier layer does not crush the others' precision.
+an outlier layer does not crush the others' precision. mxfp4 stores 4-bit values with one
+power-of-two scale byte per 32 values (cache_format.mxfp4): 0.266x the bytes of bf16.
+The quantized dtypes share one shape of storage: "hidden" holds uint8 bits, "hidden_scale" the scales.
 """
 
 from __future__ import annotations
@@ -13,18 +15,28 @@ import google_crc32c
 import numpy as np
 import torch
 
+from cache_format.mxfp4 import BLOCK as MX_BLOCK
+from cache_format.mxfp4 import mxfp4_dequantize, mxfp4_quantize
+
 __all__ = [
     "FP8_MAX",
-    "Fp8Rows",
+    "QUANTIZED",
+    "QuantRows",
     "bf16_to_bits",
     "bits_to_bf16",
     "checksum",
     "compressors_for",
+    "dequantize",
     "file_checksum",
     "fp8_dequantize",
-    "fp8_to_bf16",
     "fp8_quantize",
+    "quantize",
+    "quantized_to_bf16",
+    "scale_layout",
 ]
+
+# Stored dtypes whose hidden states are uint8 bits beside a "hidden_scale" array.
+QUANTIZED = ("fp8_e4m3", "mxfp4")
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
@@ -41,19 +53,45 @@ def bits_to_bf16(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bfloat16)
 
 
-class Fp8Rows(NamedTuple):
-    """Rows already quantized (on the GPU, by stage one): what ShardWriter.add stores for fp8."""
+class QuantRows(NamedTuple):
+    """Rows already quantized (on the GPU, by stage one): what ShardWriter.add stores for fp8 or mxfp4."""
 
-    bits: torch.Tensor  # uint8 [T, K*H]: float8_e4m3fn bit patterns
-    scales: torch.Tensor  # float32 [T, K]
+    bits: torch.Tensor  # uint8 [T, K*H] (fp8 bit patterns) or [T, K*H/2] (two mxfp4 values a byte)
+    scales: torch.Tensor  # float32 [T, K] (fp8) or uint8 [T, K*H/32] (mxfp4 e8m0)
     sq_err: float  # sum of squared quantization error over these rows
     sq_ref: float  # sum of squares of the unquantized rows
 
     @classmethod
-    def of(cls, x: torch.Tensor, num_taps: int) -> Fp8Rows:
-        """x [T, K*H] on the host -> its fp8 rows (with the squared error quantization made)."""
-        bits, scales, err, ref = fp8_quantize(x, num_taps)
+    def of(cls, x: torch.Tensor, num_taps: int, dtype: str) -> QuantRows:
+        """x [T, K*H] -> its quantized rows in `dtype` (with the squared error quantization made)."""
+        bits, scales, err, ref = quantize(x, num_taps, dtype)
         return cls(bits, scales, float(err.sum()), float(ref.sum()))
+
+
+def scale_layout(dtype: str, num_taps: int, hidden_size: int) -> tuple[int, int, str]:
+    """(bytes of "hidden" per token, values of "hidden_scale" per token, its numpy dtype) of a quantized dtype."""
+    if dtype == "fp8_e4m3":
+        return num_taps * hidden_size, num_taps, "float32"
+    if dtype == "mxfp4":
+        return num_taps * hidden_size // 2, num_taps * hidden_size // MX_BLOCK, "uint8"
+    raise ValueError(f"{dtype!r} is not a quantized dtype {QUANTIZED}")
+
+
+def quantize(x: torch.Tensor, num_taps: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., K*H] -> (bits, scales, per-token squared error, per-token squared value) in `dtype`."""
+    if dtype == "fp8_e4m3":
+        return fp8_quantize(x, num_taps)
+    if dtype == "mxfp4":
+        return mxfp4_quantize(x)
+    raise ValueError(f"{dtype!r} is not a quantized dtype {QUANTIZED}")
+
+
+def dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Stored bits and scales -> float32 [..., K*H] on their device. The scales tell the codec apart:
+    float32 ones are fp8's (per token and layer), uint8 ones mxfp4's e8m0 exponents."""
+    if scales.dtype == torch.uint8:
+        return mxfp4_dequantize(bits, scales)
+    return fp8_dequantize(bits, scales)
 
 
 def fp8_quantize(x: torch.Tensor, num_taps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,11 +123,11 @@ def fp8_dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float() * scales[..., None]).reshape(*lead, width)
 
 
-def fp8_to_bf16(bits: np.ndarray, scales: np.ndarray) -> torch.Tensor:
-    """Stored (uint8 [T, K*H], float32 [T, K]) arrays -> bf16 [T, K*H]."""
+def quantized_to_bf16(bits: np.ndarray, scales: np.ndarray) -> torch.Tensor:
+    """Stored "hidden" and "hidden_scale" arrays of a quantized store -> bf16 [T, K*H]."""
     b = torch.from_numpy(np.ascontiguousarray(bits))
     s = torch.from_numpy(np.ascontiguousarray(scales))
-    return fp8_dequantize(b, s).to(torch.bfloat16)
+    return dequantize(b, s).to(torch.bfloat16)
 
 
 def compressors_for(compression: str, typesize: int) -> object | None:

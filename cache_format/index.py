@@ -17,7 +17,7 @@ import numpy as np
 import zarr
 
 from cache_format.checksums import record_checksums
-from cache_format.codec import checksum
+from cache_format.codec import QUANTIZED, checksum
 from cache_format.errors import CacheFormatError
 from cache_format.layout import STATE_KEY, group_key, read_root_attrs, update_root_attrs
 from cache_format.logs import read_commit_log
@@ -36,7 +36,7 @@ class SampleIndex:
     start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     length: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     shards: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
-    fp8_sq: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    quant_sq: list[float] = field(default_factory=lambda: [0.0, 0.0])
     _order: np.ndarray | None = None
     _bucket: np.ndarray | None = None
 
@@ -93,8 +93,8 @@ class LogFollower:
                     gid[key] = len(groups)
                     groups.append(key)
                 self.index.shards.setdefault(key, {})[e["shard"]] = e
-                self.index.fp8_sq[0] += e.get("fp8_sq_err", 0.0)
-                self.index.fp8_sq[1] += e.get("fp8_sq_ref", 0.0)
+                self.index.quant_sq[0] += e.get("quant_sq_err", 0.0)
+                self.index.quant_sq[1] += e.get("quant_sq_ref", 0.0)
                 for s, n in e["samples"]:
                     row = self._cursor.get(key, 0)
                     sid.append(s), grp.append(gid[key]), start.append(row), length.append(n)
@@ -115,7 +115,7 @@ def _open_finalized(root: Path, state: dict[str, Any]) -> SampleIndex:
         length.append(np.diff(offsets))
         index.shards[key] = {int(s["shard"]): s for s in g.attrs["shards"]}
     index.extend(list(state["groups"]), *(np.concatenate(x) if x else [] for x in (sid, grp, start, length)))
-    index.fp8_sq = list(state.get("fp8_sq", [0.0, 0.0]))
+    index.quant_sq = list(state.get("quant_sq", [0.0, 0.0]))
     return index
 
 
@@ -163,10 +163,10 @@ def finalize_store(path: str | os.PathLike, manifest: Manifest) -> dict[str, Any
         "num_tokens": int(index.length.sum()),
         "duplicate_sample_ids": ids[counts > 1].tolist()[:100],
         "bucket_samples": [int((buckets == b).sum()) for b in range(manifest.num_buckets)],
-        "fp8_sq": index.fp8_sq,
+        "quant_sq": index.quant_sq,
     }
-    if manifest.dtype == "fp8_e4m3" and index.fp8_sq[1] > 0:
-        state["fp8_relative_rms_error"] = float(np.sqrt(index.fp8_sq[0] / index.fp8_sq[1]))
+    if manifest.dtype in QUANTIZED and index.quant_sq[1] > 0:
+        state["quant_relative_rms_error"] = float(np.sqrt(index.quant_sq[0] / index.quant_sq[1]))
     update_root_attrs(root, **{STATE_KEY: state})
     with warnings.catch_warnings():
         # commits/ and frozen.safetensors are ours, not zarr nodes; zarr warns about them.

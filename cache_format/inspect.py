@@ -54,7 +54,7 @@ def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
         "compression_ratio": (logical / data_bytes) if data_bytes else 1.0,
         "buckets": out_buckets,
         "shards": {"complete": complete, "incomplete": incomplete},
-        "fp8_relative_rms_error": state.get("fp8_relative_rms_error"),
+        "quant_relative_rms_error": state.get("quant_relative_rms_error"),
         "manifest": manifest,
     }
 

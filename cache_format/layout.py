@@ -4,8 +4,8 @@
       zarr.json                  root group; attrs: draftcache (manifest), draftcache_state
       frozen.safetensors         embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H]
       commits/w00003.jsonl       done-log of writer 3: one fsync'd JSON line per committed shard
-      w00003/b02/hidden          uint16 (bf16 bits) or uint8 (fp8) [T, K*H], sharded on T
-      w00003/b02/hidden_scale    float32 [T, K]           (fp8 only)
+      w00003/b02/hidden          uint16 (bf16 bits) or uint8 (fp8) [T, K*H], uint8 (mxfp4) [T, K*H/2], sharded on T
+      w00003/b02/hidden_scale    float32 [T, K] (fp8), uint8 e8m0 [T, K*H/32] (mxfp4); not for bf16
       w00003/b02/last_hidden     uint16 [T, H]             (when stored)
       w00003/b02/input_ids       int32 [T]
       w00003/b02/loss_mask       uint8 [T]
@@ -26,6 +26,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
+from cache_format.codec import scale_layout
 from cache_format.errors import CacheFormatError
 from cache_format.schema import Manifest
 
@@ -62,9 +63,11 @@ class TokenArray:
 def token_arrays(m: Manifest) -> list[TokenArray]:
     """The token-axis arrays every (writer, bucket) group holds under manifest `m`."""
     k, h = len(m.layer_ids), m.target.hidden_size
-    out = [TokenArray("hidden", "uint16" if m.dtype == "bfloat16" else "uint8", k * h)]
-    if m.dtype == "fp8_e4m3":
-        out.append(TokenArray("hidden_scale", "float32", k))
+    if m.dtype == "bfloat16":
+        out = [TokenArray("hidden", "uint16", k * h)]
+    else:
+        width, scales, scale_dtype = scale_layout(m.dtype, k, h)
+        out = [TokenArray("hidden", "uint8", width), TokenArray("hidden_scale", scale_dtype, scales)]
     if m.last_hidden:
         out.append(TokenArray("last_hidden", "uint16", h))
     out += [TokenArray("input_ids", "int32", 0), TokenArray("loss_mask", "uint8", 0)]

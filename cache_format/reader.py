@@ -18,7 +18,7 @@ import torch
 import zarr
 from zarr.core.sync import sync
 
-from cache_format.codec import bits_to_bf16, checksum, file_checksum, fp8_to_bf16
+from cache_format.codec import bits_to_bf16, checksum, file_checksum, quantized_to_bf16
 from cache_format.errors import CacheFormatError, brief
 from cache_format.index import load_index
 from cache_format.layout import (
@@ -38,7 +38,8 @@ __all__ = ["Sample", "StoreReader"]
 
 @dataclass
 class Sample:
-    """One stored sample. hidden [L, K*H] bf16 (uint8 fp8 bits when read with fp8_bits); last_hidden [L, H] bf16 or None."""
+    """One stored sample. hidden [L, K*H] bf16, or the stored uint8 bits of an fp8 or mxfp4 store when
+    read with quant_bits; last_hidden [L, H] bf16 or None."""
 
     sample_id: int
     input_ids: torch.Tensor  # [L] int64
@@ -46,7 +47,7 @@ class Sample:
     hidden: torch.Tensor
     last_hidden: torch.Tensor | None
     bucket: int
-    hidden_scale: torch.Tensor | None = None  # [L, K] float32: set only when hidden holds fp8 bits
+    hidden_scale: torch.Tensor | None = None  # [L, K] float32 (fp8), [L, K*H/32] uint8 (mxfp4): with bits only
 
 
 class StoreReader:
@@ -155,17 +156,18 @@ class StoreReader:
     def get(self, sample_id: int) -> Sample:
         return self.get_batch([sample_id])[0]
 
-    def get_batch(self, sample_ids: list[int] | np.ndarray, *, fp8_bits: bool = False) -> list[Sample]:
+    def get_batch(self, sample_ids: list[int] | np.ndarray, *, quant_bits: bool = False) -> list[Sample]:
         """Read several samples; every array read of the batch is issued concurrently.
 
-        fp8_bits leaves an fp8 store's hidden states quantized (uint8 bits and hidden_scale), for a
-        caller that dequantizes on its GPU: on a CPU, fp8 -> float32 is most of a training worker's time.
+        quant_bits leaves an fp8 or mxfp4 store's hidden states quantized (uint8 bits and hidden_scale),
+        for a caller that dequantizes on its GPU: on a CPU, fp8 -> float32 is most of a training
+        worker's time.
         """
         rows = [self.index.locate(int(s)) for s in sample_ids]
         if self.verify_shards:
             self._verify_rows(rows)
         if self._raw is not None:
-            return [self._read_raw(r, fp8_bits) for r in rows]
+            return [self._read_raw(r, quant_bits) for r in rows]
         jobs = []
         for r in rows:
             key = self.index.groups[self.index.group[r]]
@@ -180,7 +182,7 @@ class StoreReader:
         out, k, buckets = [], len(self._arrays), self.index.bucket()
         for i, r in enumerate(rows):
             got = dict(zip(self._arrays, flat[i * k:(i + 1) * k]))
-            out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r]), fp8_bits))
+            out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r]), quant_bits))
         return out
 
     def _verify_rows(self, rows: list[int]) -> None:
@@ -204,7 +206,7 @@ class StoreReader:
                                            f"(python -m cache_format verify {self.root})")
                 self._verified.add((key, shard))
 
-    def _read_raw(self, r: int, fp8_bits: bool) -> Sample:
+    def _read_raw(self, r: int, quant_bits: bool) -> Sample:
         key = self.index.groups[self.index.group[r]]
         start, n = int(self.index.start[r]), int(self.index.length[r])
         got = {}
@@ -212,17 +214,17 @@ class StoreReader:
             out = np.empty((n, a.width) if a.width else (n,), dtype=a.dtype)
             self._raw.read(key, a, start, start + n, out)
             got[a.name] = out
-        return self._decode(int(self.index.sample_ids[r]), got, int(self.index.bucket()[r]), fp8_bits)
+        return self._decode(int(self.index.sample_ids[r]), got, int(self.index.bucket()[r]), quant_bits)
 
-    def _decode(self, sample_id: int, got: dict[str, np.ndarray], bucket: int, fp8_bits: bool) -> Sample:
+    def _decode(self, sample_id: int, got: dict[str, np.ndarray], bucket: int, quant_bits: bool) -> Sample:
         scale = None
         if self.manifest.dtype == "bfloat16":
             hidden = bits_to_bf16(got["hidden"])
-        elif fp8_bits:
+        elif quant_bits:
             hidden = torch.from_numpy(np.ascontiguousarray(got["hidden"]))
             scale = torch.from_numpy(np.ascontiguousarray(got["hidden_scale"]))
         else:
-            hidden = fp8_to_bf16(got["hidden"], got["hidden_scale"])
+            hidden = quantized_to_bf16(got["hidden"], got["hidden_scale"])
         last = bits_to_bf16(got["last_hidden"]) if "last_hidden" in got else None
         return Sample(
             sample_id=sample_id,
@@ -288,9 +290,13 @@ def _committed_rows(reader: StoreReader, key: str, lo: int, rows: int):
 
 
 def finite_rows(data: np.ndarray, name: str, dtype: str) -> bool:
-    """Whether stored rows decode to finite values (bf16 bits, fp8 bits or float32 scales)."""
+    """Whether stored rows decode to finite values (bf16 bits, fp8 or mxfp4 bits, their scales)."""
+    if name == "hidden_scale" and dtype == "mxfp4":
+        return not bool((data == 0xFF).any())  # e8m0's only non-finite code: 0xFF is NaN
     if name == "hidden_scale":
         return bool(np.isfinite(data).all())
+    if name == "hidden" and dtype == "mxfp4":
+        return True  # e2m1 has no inf or NaN codes
     if name == "hidden" and dtype == "fp8_e4m3":
         return not bool(((data & 0x7F) == 0x7F).any())  # e4m3's only non-finite codes are S.1111.111
     return not bool(((data & 0x7F80) == 0x7F80).any())  # a bf16 exponent of all ones: Inf or NaN

@@ -32,8 +32,10 @@ __all__ = [
     "parse_layer_ids",
 ]
 
-FORMAT_VERSION = 3  # 2: checksums.json covers every file the shard checksums do not; 3: the mask token
-DTYPES = ("bfloat16", "fp8_e4m3")
+# 2: checksums.json covers every file the shard checksums do not; 3: the mask token; 4: the mxfp4 dtype,
+# the quantization error recorded under dtype-neutral names (quant_sq_err/quant_sq_ref, quant_relative_rms_error)
+FORMAT_VERSION = 4
+DTYPES = ("bfloat16", "fp8_e4m3", "mxfp4")
 COMPRESSIONS = ("none", "blosc-zstd1")
 # Layer id i is the output of decoder layer i, which is HF `hidden_states[i + 1]` (index 0 is the
 # embedding output). vLLM counts the other way round (+1): see train/export.py.
@@ -94,7 +96,8 @@ class Manifest:
     bucket_bounds: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     """Upper bounds (inclusive) of the length buckets; longer samples go to a last open bucket."""
     dtype: str = "bfloat16"
-    """Stored dtype of hidden states: bfloat16 (as uint16 bits) or fp8_e4m3 with per-token scales."""
+    """Stored dtype of hidden states: bfloat16 (as uint16 bits), fp8_e4m3 with per-token scales, or
+    mxfp4 (4-bit e2m1 values, one power-of-two scale per 32 values: cache_format.mxfp4)."""
     compression: str = "none"
     """none, or blosc-zstd1 (blosc zstd level 1, byte shuffle, 1 MiB blocks)."""
     rows_per_shard: int = 2048
@@ -123,6 +126,9 @@ class Manifest:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.target.vocab_size - 1})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype == "mxfp4" and self.target.hidden_size % 32:
+            raise ValueError(f"mxfp4 needs a hidden size that is a multiple of 32 (its scale blocks never cross "
+                             f"a tapped layer), got {self.target.hidden_size}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
         if list(self.bucket_bounds) != sorted(set(self.bucket_bounds)) or not self.bucket_bounds:
@@ -154,8 +160,8 @@ class Manifest:
 
     def bytes_per_token(self) -> int:
         """Uncompressed bytes one token costs in the store."""
-        hidden = self.row_width * (2 if self.dtype == "bfloat16" else 1)
-        scales = 4 * len(self.layer_ids) if self.dtype == "fp8_e4m3" else 0
+        hidden = {"bfloat16": 2 * self.row_width, "fp8_e4m3": self.row_width, "mxfp4": self.row_width // 2}[self.dtype]
+        scales = {"bfloat16": 0, "fp8_e4m3": 4 * len(self.layer_ids), "mxfp4": self.row_width // 32}[self.dtype]
         last = 2 * self.target.hidden_size if self.last_hidden else 0
         return hidden + scales + last + 4 + 1  # + input_ids int32 + loss_mask uint8
 

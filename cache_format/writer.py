@@ -36,7 +36,7 @@ import torch
 import zarr
 
 from cache_format.checksums import record_checksums
-from cache_format.codec import Fp8Rows, bf16_to_bits, checksum, compressors_for, file_checksum
+from cache_format.codec import QUANTIZED, QuantRows, bf16_to_bits, checksum, compressors_for, file_checksum, scale_layout
 from cache_format.errors import CacheFormatError, ManifestMismatchError
 from cache_format.layout import (
     FROZEN_FILE,
@@ -145,7 +145,7 @@ class ShardWriter:
         self._log_path = commit_log_path(self.root, writer_id)
         self._buckets: dict[int, _Bucket] = {}
         self._zarr: dict[int, dict[str, zarr.Array]] = {}
-        self.fp8_err = [0.0, 0.0]  # sum of squared error, sum of squares (fp8 only)
+        self.quant_err = [0.0, 0.0]  # sum of squared error, sum of squares (quantized dtypes only)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"draftcache-w{writer_id}")
         self._in_flight: Future | None = None  # the shard the I/O thread is writing; its result is its buffer
         self._spare: list[dict[str, np.ndarray]] = []  # shard buffers whose write has finished
@@ -214,20 +214,21 @@ class ShardWriter:
 
     # ---------------------------------------------------------------- writing
     def add(self, sample_id: int, *, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-            hidden: torch.Tensor | Fp8Rows, last_hidden: torch.Tensor | None = None) -> None:
+            hidden: torch.Tensor | QuantRows, last_hidden: torch.Tensor | None = None) -> None:
         """Buffer one sample; shards that fill up are written and committed.
 
-        input_ids [L] ints, loss_mask [L] 0/1, hidden [L, K*H] float (or, for an fp8 store, rows
-        already quantized by the caller), last_hidden [L, H] float.
+        input_ids [L] ints, loss_mask [L] 0/1, hidden [L, K*H] float (or, for an fp8 or mxfp4 store,
+        rows already quantized by the caller), last_hidden [L, H] float.
         """
         m = self.manifest
         n = int(input_ids.shape[0])
-        if isinstance(hidden, Fp8Rows):
-            if m.dtype != "fp8_e4m3":
-                raise CacheFormatError(f"sample {sample_id}: fp8 rows given to a {m.dtype} store")
-            if hidden.bits.shape != (n, m.row_width) or hidden.scales.shape != (n, len(m.layer_ids)):
-                raise CacheFormatError(f"sample {sample_id}: fp8 rows {tuple(hidden.bits.shape)} / scales "
-                                       f"{tuple(hidden.scales.shape)} do not fit {n} tokens x {m.row_width}")
+        if isinstance(hidden, QuantRows):
+            if m.dtype == "bfloat16":
+                raise CacheFormatError(f"sample {sample_id}: quantized rows given to a {m.dtype} store")
+            width, scales, _ = scale_layout(m.dtype, len(m.layer_ids), m.target.hidden_size)
+            if hidden.bits.shape != (n, width) or hidden.scales.shape != (n, scales):
+                raise CacheFormatError(f"sample {sample_id}: {m.dtype} rows {tuple(hidden.bits.shape)} / scales "
+                                       f"{tuple(hidden.scales.shape)} do not fit {n} tokens x {m.row_width} values")
         elif hidden.shape != (n, m.row_width):
             raise CacheFormatError(f"sample {sample_id}: hidden has shape {tuple(hidden.shape)}, "
                                    f"expected {(n, m.row_width)}")
@@ -240,10 +241,10 @@ class ShardWriter:
         if m.dtype == "bfloat16":
             rows["hidden"] = bf16_to_bits(hidden.cpu())
         else:
-            q = hidden if isinstance(hidden, Fp8Rows) else Fp8Rows.of(hidden.cpu(), len(m.layer_ids))
+            q = hidden if isinstance(hidden, QuantRows) else QuantRows.of(hidden.cpu(), len(m.layer_ids), m.dtype)
             rows["hidden"], rows["hidden_scale"] = q.bits.cpu().numpy(), q.scales.cpu().numpy()
-            self.fp8_err[0] += q.sq_err
-            self.fp8_err[1] += q.sq_ref
+            self.quant_err[0] += q.sq_err
+            self.quant_err[1] += q.sq_ref
         if last_hidden is not None:
             rows["last_hidden"] = bf16_to_bits(last_hidden.cpu())
         b = bucket_of(n, m.bucket_bounds)
@@ -267,9 +268,9 @@ class ShardWriter:
         end = bucket.base + bucket.fill
         done = [(sid, n) for sid, n, e in bucket.pending if e <= end]
         bucket.pending = [p for p in bucket.pending if p[2] > end]
-        fp8_err, self.fp8_err = self.fp8_err, [0.0, 0.0]
+        quant_err, self.quant_err = self.quant_err, [0.0, 0.0]
         self._wait()  # at most one shard in flight, so commits land in order
-        job = (b, bucket.base, bucket.fill, bucket.buf, done, fp8_err)
+        job = (b, bucket.base, bucket.fill, bucket.buf, done, quant_err)
         if bucket.fill == self._rows:
             bucket.buf = self._new_buffer()
             self._in_flight = self._io.submit(self._write, *job)
@@ -283,7 +284,7 @@ class ShardWriter:
             self._spare.append(f.result())
 
     def _write(self, b: int, base: int, fill: int, buf: dict[str, np.ndarray], done: list[tuple[int, int]],
-               fp8_err: list[float]) -> dict[str, np.ndarray]:
+               quant_err: list[float]) -> dict[str, np.ndarray]:
         """Write rows [base, base+fill) of bucket `b` as one whole shard, then commit `done`; returns `buf`."""
         end = base + fill
         with _os_errors(self.root), warnings.catch_warnings():
@@ -308,8 +309,8 @@ class ShardWriter:
                 entry["file_crc32c"] = {a.name: file_checksum(shard_file(self.root, group_key(self.writer_id, b), a,
                                                                           entry["shard"]))
                                         for a in self._arrays}
-            if self.manifest.dtype == "fp8_e4m3":  # error added since the previous entry
-                entry["fp8_sq_err"], entry["fp8_sq_ref"] = fp8_err
+            if self.manifest.dtype in QUANTIZED:  # error added since the previous entry
+                entry["quant_sq_err"], entry["quant_sq_ref"] = quant_err
             self._append_log(entry)
         self.committed.update(sid for sid, _ in done)
         return buf

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache_format import ShardWriter
-from cache_format.codec import fp8_quantize
+from cache_format.codec import quantize, scale_layout
 from cache_format.target import capture, decoder_parts, stack_upto
 from extract.data import Rendered
 from extract.ring import HostRing
@@ -44,12 +44,13 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
                 writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *, last_hidden: bool,
-                fp8: bool = False, on_batch: Callable[[int], None] = lambda n: None,
+                quant: str = "", on_batch: Callable[[int], None] = lambda n: None,
                 stop_at_last_tap: bool = True) -> Counter:
     """Extract every batch; returns counts of refused samples. Closes the writers.
 
-    fp8 quantizes the taps on the device (ring field "hidden" holds the bits, "hidden_scale" the
-    per-token-per-layer scales), which halves the copy and keeps the host free of float maths.
+    quant ("fp8_e4m3" or "mxfp4"; "" for bf16) quantizes the taps on the device (ring field "hidden"
+    holds the bits, "hidden_scale" the scales), which halves the copy (fp8) or more and keeps the
+    host free of float maths.
     No writers (and no ring) runs the bare forward: same hooks, concatenation and finiteness
     check, no host copy, no store. Without last_hidden the stack stops at the last tap
     (stop_at_last_tap=False runs every layer, as before; for comparisons).
@@ -71,7 +72,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                 w = WriteItem(slot=slot, batch=b, seq=t, rows=rows, sample_ids=[batch[j].sample_id for j in rows],
                               input_ids=[batch[j].input_ids for j in rows], loss_masks=[batch[j].loss_mask for j in rows],
                               ok=[bool(small[j, 0]) for j in rows],
-                              fp8_sq=[(float(small[j, 1]), float(small[j, 2])) for j in rows] if fp8 else None)
+                              quant_sq=[(float(small[j, 1]), float(small[j, 2])) for j in rows] if quant else None)
                 n = writer.write(w) if isinstance(writer, ProcessWriter) else write_rows(writer, ring.views(slot, b, t), w)
                 with count_lock:
                     refused[NONFINITE] += n
@@ -105,7 +106,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     refused[NONFINITE] += int((~ok).sum())  # syncs, like the copy would
                     on_batch(sum(len(r.input_ids) for r in batch))
                     continue
-                fields, small = _device_fields(hid, last, ok, att, len(layer_ids) if fp8 else 0)
+                fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
                 slot = ring.take(failed=lambda: bool(failure))
                 if slot is None:
                     break
@@ -148,19 +149,19 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
 
 
 def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tensor, att: torch.Tensor,
-                   fp8_taps: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The ring fields of one batch, and per-sample `small` [B, 3]: ok, fp8 squared error, squared ref.
+                   num_taps: int, quant: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The ring fields of one batch, and per-sample `small` [B, 3]: ok, squared quantization error, squared ref.
 
-    fp8_taps > 0 (the tap count K) quantizes the taps here, per token and layer (cache_format.codec.fp8_quantize);
-    the error sums cover real tokens only (att), as the host path's would.
+    A quant dtype quantizes the K = num_taps taps here (cache_format.codec.quantize); the error sums
+    cover real tokens only (att), as the host path's would.
     """
     small = torch.zeros(hid.shape[0], 3, dtype=torch.float64, device=hid.device)
     small[:, 0] = ok.double()
     fields = {"hidden": hid}
-    if fp8_taps:
+    if quant:
         # a named range, so a profile (python -m bench extract --profile) can price the quantization
-        with torch.profiler.record_function("draftcache.fp8_quantize"):
-            bits, scales, err, ref = fp8_quantize(hid, fp8_taps)  # [B, T, K*H] u8, [B, T, K] f32, [B, T] f64 x2
+        with torch.profiler.record_function(f"draftcache.quantize.{quant}"):
+            bits, scales, err, ref = quantize(hid, num_taps, quant)  # [B, T, bytes] u8, [B, T, scales], [B, T] f64 x2
             real = att.double()  # [B, T]
             small[:, 1] = (err * real).sum(-1)
             small[:, 2] = (ref * real).sum(-1)
@@ -179,11 +180,13 @@ def compile_decoder(model: torch.nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def ring_fields(width: int, num_taps: int, last_width: int, fp8: bool) -> dict[str, tuple[int, torch.dtype]]:
-    """The HostRing fields that run_batches fills for these shapes."""
-    fields = {"hidden": (width, torch.uint8 if fp8 else torch.bfloat16)}
-    if fp8:
-        fields["hidden_scale"] = (num_taps, torch.float32)
+def ring_fields(width: int, num_taps: int, last_width: int, quant: str) -> dict[str, tuple[int, torch.dtype]]:
+    """The HostRing fields that run_batches fills for these shapes (quant: "" for bf16, else the dtype)."""
+    if not quant:
+        fields = {"hidden": (width, torch.bfloat16)}
+    else:
+        nbytes, scales, scale_dtype = scale_layout(quant, num_taps, width // num_taps)
+        fields = {"hidden": (nbytes, torch.uint8), "hidden_scale": (scales, getattr(torch, scale_dtype))}
     if last_width:
         fields["last_hidden"] = (last_width, torch.bfloat16)
     return fields

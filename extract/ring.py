@@ -1,7 +1,7 @@
 """A ring of host buffers that forward batches are copied into and store writers read from.
 
 Each slot holds one forward batch, as named flat fields: e.g. "hidden" [max_tokens * K*H] (bf16,
-or fp8 bits when the store is fp8 and the GPU quantized), "hidden_scale" [max_tokens * K] (fp8 only),
+or the bits of an fp8 or mxfp4 store, quantized on the GPU), "hidden_scale" (quantized stores only),
 "last_hidden" [max_tokens * H] (the store's names). The GPU loop takes a free slot, copies into it without blocking and
 hands the slot to the writers; the last writer done with it gives it back. A fixed ring instead
 of fresh `tensor.to("cpu", non_blocking=True)` copies matters on GPU: page-locking 600 MB per

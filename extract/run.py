@@ -28,6 +28,7 @@ from cache_format import (
     write_prompt_keys,
 )
 from cache_format.checksums import record_checksums, sha256_file
+from cache_format.codec import QUANTIZED
 from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
 from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
@@ -161,9 +162,9 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
         record_checksums(cfg.store, manifest, finalized=False)  # the files just written
     world.barrier()
-    fp8 = cfg.dtype == "fp8_e4m3"
+    quant = cfg.dtype if cfg.dtype in QUANTIZED else ""
     ring = HostRing(cfg.queue_batches, cfg.token_budget,
-                    ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0, fp8),
+                    ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0, quant),
                     pin=device.type == "cuda", shared=cfg.writer == "process")
     ids = [world.rank * cfg.writers + w for w in range(cfg.writers)]
     writers = ([ProcessWriter(cfg.store, i, ring) for i in ids] if cfg.writer == "process"
@@ -184,7 +185,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     t_loop = time.time()
     try:
         nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writers, ring,
-                                last_hidden=cfg.last_hidden, fp8=fp8, on_batch=bar.update)
+                                last_hidden=cfg.last_hidden, quant=quant, on_batch=bar.update)
     finally:
         bar.close()
         ring.close()

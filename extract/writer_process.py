@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp  # registers tensor reductions: shared storage, not pickled bytes
 
-from cache_format.codec import Fp8Rows
+from cache_format.codec import QuantRows
 from extract.ring import HostRing
 
 __all__ = ["ProcessWriter", "WriteItem"]
@@ -34,13 +34,13 @@ class WriteItem:
     input_ids: list[torch.Tensor]
     loss_masks: list[torch.Tensor]
     ok: list[bool]
-    fp8_sq: list[tuple[float, float]] | None = None  # per sample (squared error, squared ref), GPU-quantized
+    quant_sq: list[tuple[float, float]] | None = None  # per sample (squared error, squared ref), GPU-quantized
 
 
 def write_rows(writer, views: dict[str, torch.Tensor], item: WriteItem) -> int:
     """Add the item's samples to a ShardWriter from ring views [B, T, width]; returns the refused count.
 
-    With a "hidden_scale" field the "hidden" field holds fp8 bits quantized on the GPU.
+    With a "hidden_scale" field the "hidden" field holds fp8 or mxfp4 bits quantized on the GPU.
     """
     refused = 0
     hid, last, scales = views["hidden"], views.get("last_hidden"), views.get("hidden_scale")
@@ -50,7 +50,7 @@ def write_rows(writer, views: dict[str, torch.Tensor], item: WriteItem) -> int:
             refused += 1
             continue
         n = len(ids)
-        hidden = hid[j, :n] if scales is None else Fp8Rows(hid[j, :n], scales[j, :n], *item.fp8_sq[i])
+        hidden = hid[j, :n] if scales is None else QuantRows(hid[j, :n], scales[j, :n], *item.quant_sq[i])
         writer.add(sid, input_ids=ids, loss_mask=mask, hidden=hidden,
                    last_hidden=last[j, :n] if last is not None else None)
     return refused

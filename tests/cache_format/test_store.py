@@ -56,6 +56,32 @@ def test_round_trip_random_ragged(tmp_path_factory, lengths, bounds, shard, flus
     assert verify_store(path)["ok"]
 
 
+def test_mxfp4_store_round_trip_bytes_and_error(tmp_path):
+    # 4-bit values, a power-of-two scale s per 32 with amax / s in (3, 6]: |err| <= half the widest
+    # e2m1 step (4 to 6), s < amax / 3; the store records the error, verify passes
+    from cache_format import TargetInfo
+    from cache_format.inspect import inspect_store
+
+    target = TargetInfo(name="tiny", sha256="0" * 64, num_layers=4, hidden_size=64, vocab_size=100)
+    m = make_manifest(dtype="mxfp4", target=target)
+    path = tmp_path / "s.zarr"
+    write_store(path, range(20), m)
+    r = StoreReader(path)
+    for got in r.get_batch(list(range(20))):
+        x = make_sample(got.sample_id, sample_length(got.sample_id), m)["hidden"].reshape(-1, 32)
+        g = got.hidden.float().reshape(-1, 32)
+        assert ((g - x).abs() <= x.abs().amax(-1, keepdim=True) / 3 + 1e-6).all()
+        bits = r.get_batch([got.sample_id], quant_bits=True)[0]
+        assert bits.hidden.shape[1] == m.row_width // 2 and bits.hidden_scale.shape[1] == m.row_width // 32
+    info = inspect_store(path)
+    assert 0.05 < info["quant_relative_rms_error"] < 0.2  # 4 bits: ~0.11 on Gaussian values
+    bf16 = make_manifest(target=target).bytes_per_token() - 4 - 1 - 2 * 64  # the taps alone
+    assert (m.bytes_per_token() - 4 - 1 - 2 * 64) / bf16 <= 0.3
+    assert verify_store(path)["ok"]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        make_manifest(dtype="mxfp4")  # hidden 8
+
+
 def test_fp8_error_bound_and_recorded(tmp_path):
     m = make_manifest(dtype="fp8_e4m3")
     path = tmp_path / "s.zarr"
@@ -72,7 +98,7 @@ def test_fp8_error_bound_and_recorded(tmp_path):
         worst = max(worst, float((g - x).norm() / x.norm()))
     from cache_format.inspect import inspect_store
 
-    rec = inspect_store(path)["fp8_relative_rms_error"]
+    rec = inspect_store(path)["quant_relative_rms_error"]
     assert 0 < rec < 0.05 and rec <= worst * 1.5
 
 

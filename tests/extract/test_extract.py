@@ -219,26 +219,26 @@ def test_gpu_big_padded_batches_store_every_sample(tmp_path, llama, writer):
             assert (got - want).norm() / want.norm() < 2e-2, (got - want).norm() / want.norm()
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
-def test_fp8_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama, chats, writer):
+@pytest.mark.parametrize("writer,dtype", [("thread", "fp8_e4m3"), ("process", "fp8_e4m3"), ("thread", "mxfp4")])
+def test_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama, chats, writer, dtype):
     # stage one quantizes on the device; the bits must be those the host codec makes from the
     # same bf16 states, and the error recorded for inspect must be the host's too
-    from cache_format.codec import Fp8Rows
+    from cache_format.codec import QuantRows, dequantize
     from cache_format.inspect import inspect_store
 
     run(extract_cfg(tmp_path / "bf16.zarr", llama, chats))
-    run(extract_cfg(tmp_path / "fp8.zarr", llama, chats, dtype="fp8_e4m3", writer=writer, writers=2))
+    run(extract_cfg(tmp_path / "fp8.zarr", llama, chats, dtype=dtype, writer=writer, writers=2))
     ref, got = content(tmp_path / "bf16.zarr"), content(tmp_path / "fp8.zarr")
     assert ref.keys() == got.keys() and verify_store(tmp_path / "fp8.zarr")["ok"]
     sq_err = sq_ref = 0.0
     for sid, (ids, mask, hidden, last) in ref.items():
-        q = Fp8Rows.of(hidden, 3)
-        want = (q.bits.view(torch.float8_e4m3fn).float().view(len(ids), 3, -1) * q.scales[..., None]).view(len(ids), -1)
+        q = QuantRows.of(hidden, 3, dtype)
+        want = dequantize(q.bits, q.scales).view(len(ids), -1)
         torch.testing.assert_close(got[sid][2], want.bfloat16(), atol=0, rtol=0)
         torch.testing.assert_close(got[sid][3], last, atol=0, rtol=0)  # the last state stays bf16
         assert torch.equal(got[sid][0], ids) and torch.equal(got[sid][1], mask)
         sq_err, sq_ref = sq_err + q.sq_err, sq_ref + q.sq_ref
-    rec = inspect_store(tmp_path / "fp8.zarr")["fp8_relative_rms_error"]
+    rec = inspect_store(tmp_path / "fp8.zarr")["quant_relative_rms_error"]
     assert abs(rec - (sq_err / sq_ref) ** 0.5) < 1e-6 * max(rec, 1e-12), (rec, (sq_err / sq_ref) ** 0.5)
 
 

@@ -89,17 +89,20 @@ def test_holdout_by_prompt_takes_whole_prompts_like_the_loop(n):
         holdout_mask(ids, n, seed=5, prompt_keys=np.zeros(len(ids), np.int64))  # one prompt: nothing to train on
 
 
-@pytest.mark.parametrize("compression", ["none", "blosc-zstd1"])
-def test_fp8_batches_stay_fp8_until_to_device_and_then_equal_the_host_decode(tmp_path, compression):
-    # the workers hand fp8 bits and scales on; after to_device the taps must be bit for bit what
-    # collating the reader's own dequantized samples gives (same anchors: same generator seed)
+@pytest.mark.parametrize("compression,dtype", [("none", "fp8_e4m3"), ("blosc-zstd1", "fp8_e4m3"), ("none", "mxfp4")])
+def test_quantized_batches_stay_quantized_until_to_device_and_then_equal_the_host_decode(tmp_path, compression,
+                                                                                         dtype):
+    # the workers hand the stored bits and scales on; after to_device the taps must be bit for bit
+    # what collating the reader's own dequantized samples gives (same anchors: same generator seed)
     import torch
 
-    from cache_format import StoreReader
+    from cache_format import StoreReader, TargetInfo
     from tests.helpers import make_manifest, write_store
     from train.data import BatchDataset, CollateSettings, collate, to_device
 
-    m = make_manifest(dtype="fp8_e4m3", compression=compression)
+    # mxfp4 blocks are 32 values: a hidden size of 64 (two blocks a tap)
+    target = TargetInfo(name="tiny", sha256="0" * 64, num_layers=4, hidden_size=64, vocab_size=100)
+    m = make_manifest(dtype=dtype, compression=compression, **({"target": target} if dtype == "mxfp4" else {}))
     write_store(tmp_path / "s.zarr", range(12), m)
     micro = [[0, 5, 7], [3], [11, 2]]
     kw = dict(tap_index=[1], num_stored_taps=2, num_anchors=4, block_size=4, mask_token_id=99, with_last_hidden=True)
@@ -108,7 +111,8 @@ def test_fp8_batches_stay_fp8_until_to_device_and_then_equal_the_host_decode(tmp
     reader = StoreReader(tmp_path / "s.zarr")
     for i, ids in enumerate(micro):
         item = ds[i]
-        assert item["hidden"].dtype == torch.uint8 and item["hidden_scale"].shape == (*item["hidden"].shape[:2], 1)
+        per_tap = 1 if dtype == "fp8_e4m3" else m.target.hidden_size // 32
+        assert item["hidden"].dtype == torch.uint8 and item["hidden_scale"].shape == (*item["hidden"].shape[:2], per_tap)
         got = to_device(item, torch.device("cpu"))
         g = torch.Generator().manual_seed((3 * 1_000_003 + 1) * 1_000_003 + i)
         want = collate(reader.get_batch(ids), generator=g, **kw)

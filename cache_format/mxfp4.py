@@ -1,0 +1,67 @@
+"""MXFP4: 4-bit e2m1 values with one power-of-two (e8m0) scale per block of 32 values.
+
+The format is that of the OCP Microscaling (MX) specification v1.0: an element is a 4-bit float
+with 1 sign, 2 exponent and 1 mantissa bit (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; no inf or NaN),
+and a block of 32 consecutive elements shares a scale 2^(e - 127) stored as the unsigned byte e
+(e = 255 is NaN). Two elements pack into one byte, the element of even index in the low nibble.
+A token's row of K*H values thus costs K*H/2 bytes of elements plus K*H/32 bytes of scales:
+4.25 bits a value, 0.266x bf16.
+
+The scale: the specification takes 2^(floor(log2 amax) - 2), which puts the block's largest
+magnitude in [4, 8) and clips it to 6 when it lands above. Here the scale is the smallest power of
+two with amax / scale <= 6, so nothing clips (the largest value lands in (3, 6]). Elements round to
+the nearest e2m1 value. Blocks never cross a tapped layer (H must be a multiple of 32), so the taps
+of one row can be selected from the packed bytes and the scales alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLOCK", "E2M1_VALUES", "mxfp4_dequantize", "mxfp4_quantize"]
+
+BLOCK = 32
+E2M1_MAX = 6.0
+# magnitude of each 3-bit code; the fourth bit is the sign
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # a magnitude above midpoint i rounds to code i + 1
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """float32 [16]: the value of each 4-bit code (sign in bit 3)."""
+    mag = torch.tensor(E2M1_VALUES, device=device)
+    return torch.cat([mag, -mag])
+
+
+def mxfp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., W] (W a multiple of 32; any float dtype and device) -> packed uint8 [..., W/2],
+    e8m0 scales uint8 [..., W/32], and per row [...] the float64 sums of the squared quantization
+    error and of the squared value (inspect's relative RMS error)."""
+    *lead, width = x.shape
+    if width % BLOCK:
+        raise ValueError(f"mxfp4 needs rows of a multiple of {BLOCK} values, got {width}")
+    y = x.to(torch.float32, copy=True).reshape(*lead, width // BLOCK, BLOCK)  # [..., nb, 32]
+    amax = torch.linalg.vector_norm(y, float("inf"), dim=-1, keepdim=True)  # [..., nb, 1]
+    mant, expo = torch.frexp(amax / E2M1_MAX)  # amax/6 = mant * 2^expo, mant in [0.5, 1)
+    # smallest p with 2^p >= amax / 6: expo, or expo - 1 when amax / 6 is itself a power of two
+    p = torch.where(mant == 0.5, expo - 1, expo)
+    e = torch.where(amax > 0, (p + 127).clamp(0, 254), torch.zeros_like(p))  # [..., nb, 1]
+    scale = torch.ldexp(torch.ones_like(amax), e - 127)
+    y.div_(scale)
+    mag = torch.bucketize(y.abs(), torch.tensor(_MIDPOINTS, device=y.device))  # [..., nb, 32] codes 0..7
+    code = mag + 8 * (y < 0).to(mag.dtype) * (mag > 0).to(mag.dtype)  # no negative zero
+    deq = _lut(y.device)[code]
+    ref = torch.linalg.vector_norm(x.float().reshape(*lead, width), dim=-1).double().square()
+    err = torch.linalg.vector_norm(((y - deq) * scale).reshape(*lead, width), dim=-1).double().square()
+    code = code.to(torch.uint8).reshape(*lead, width // 2, 2)
+    packed = code[..., 0] | (code[..., 1] << 4)
+    return packed, e.reshape(*lead, width // BLOCK).to(torch.uint8), err, ref
+
+
+def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(packed uint8 [..., W/2], e8m0 uint8 [..., W/32]) -> float32 [..., W], on their device."""
+    *lead, half = packed.shape
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, half * 2).long()  # [..., W]
+    vals = _lut(packed.device)[codes].reshape(*lead, half * 2 // BLOCK, BLOCK)
+    scale = torch.ldexp(torch.ones(scales.shape, device=packed.device), scales.to(torch.int32) - 127)  # [..., W/32]
+    return (vals * scale[..., None]).reshape(*lead, half * 2)
