@@ -131,8 +131,12 @@ class TrainConfig:
             raise ValueError(f"loss must be ce, kl or mix, got {self.loss!r}")
         if not 0 <= self.kl_weight <= 1:
             raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
-        if self.lr <= 0 or not 0 <= self.warmup < 1 or self.clip <= 0:
-            raise ValueError("lr and clip must be > 0 and warmup in [0, 1)")
+        if not 0 < self.lr < float("inf") or not 0 <= self.warmup < 1 or not 0 < self.clip < float("inf"):
+            raise ValueError(f"lr and clip must be finite and > 0 and warmup in [0, 1), got lr {self.lr}, "
+                             f"clip {self.clip}, warmup {self.warmup}")
+        if self.keep_checkpoints < 1 or self.checkpoint_every < 0 or self.workers < 0:
+            raise ValueError(f"keep_checkpoints must be >= 1 (0 or less would keep no checkpoint), checkpoint_every "
+                             f"and workers >= 0, got {self.keep_checkpoints}, {self.checkpoint_every}, {self.workers}")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.val_samples < 0 or self.val_every < 1:

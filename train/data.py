@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cache_format import StoreReader
-from cache_format.codec import fp8_dequantize
+from cache_format.codec import dequantize
 from train.anchors import IGNORE, build_blocks, sample_anchors
 from train.replay import anchor_spans
 
@@ -121,9 +121,9 @@ class BatchDataset(torch.utils.data.Dataset):
             self._reader = StoreReader(self.store, verify_shards=self.verify_shards)
         # a fixed mix of (seed, epoch, key): Python's hash() of ints is stable across processes
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.keys[i])
-        # an fp8 store's states stay fp8 until to_device: half the bytes to pin and copy, and the
+        # a quantized store's states stay quantized until to_device: fewer bytes to pin and copy, and the
         # dequantization runs on the GPU, not in this worker (3/4 of its time on a CPU, docs/benchmarks/)
-        return collate(self._reader.get_batch(self.micro[i], fp8_bits=True), generator=g, **self.kw)
+        return collate(self._reader.get_batch(self.micro[i], quant_bits=True), generator=g, **self.kw)
 
 
 def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors: int, block_size: int,
@@ -133,30 +133,33 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
     "block_ids"/"block_pos"/"labels" [b, N*bs], "ctx_len" [b], and with
     with_last_hidden "block_last_hidden" [b, N*bs, H] (the target's final state that teaches each slot).
 
-    Samples read with fp8 bits give "hidden" as uint8 bits and "hidden_scale" [b, T, K'] (float32,
-    padding 0); to_device dequantizes them.
+    Samples read with quantized bits give "hidden" as the uint8 bits of the chosen taps and
+    "hidden_scale" [b, T, K' x scales per tap] (fp8: float32, one per tap; mxfp4: uint8, one per 32
+    values; padding 0); to_device dequantizes them.
     """
     b, t = len(samples), max(len(s.input_ids) for s in samples)
-    hsz = samples[0].hidden.shape[1] // num_stored_taps
-    fp8 = samples[0].hidden_scale is not None
+    per_tap = samples[0].hidden.shape[1] // num_stored_taps  # columns of one tap (bytes for mxfp4 bits)
+    quant = samples[0].hidden_scale is not None
+    scale_per_tap = samples[0].hidden_scale.shape[1] // num_stored_taps if quant else 0
     per = []
     for s in samples:
         a = sample_anchors(s.loss_mask, num_anchors, generator)
         per.append((a, *build_blocks(s.input_ids, s.loss_mask, a, block_size, mask_token_id)))
     n = max(max(len(p[0]) for p in per), 1)
-    hidden = torch.zeros(b, t, len(tap_index) * hsz, dtype=torch.uint8 if fp8 else torch.bfloat16)
-    scales = torch.zeros(b, t, len(tap_index)) if fp8 else None
+    hidden = torch.zeros(b, t, len(tap_index) * per_tap, dtype=torch.uint8 if quant else torch.bfloat16)
+    scales = torch.zeros(b, t, len(tap_index) * scale_per_tap, dtype=samples[0].hidden_scale.dtype) if quant else None
     anchors = torch.full((b, n), -1, dtype=torch.long)
     spans = torch.full((b, n), -1, dtype=torch.long)
     ids = torch.full((b, n * block_size), mask_token_id, dtype=torch.long)
     pos = torch.zeros(b, n * block_size, dtype=torch.long)
     labels = torch.full((b, n * block_size), IGNORE, dtype=torch.long)
+    hsz = samples[0].last_hidden.shape[1] if with_last_hidden else 0
     block_last = torch.zeros(b, n * block_size, hsz, dtype=torch.bfloat16) if with_last_hidden else None
     for j, (s, (a, bi, bp, bl)) in enumerate(zip(samples, per)):
         L, m = len(s.input_ids), len(a) * block_size
-        hidden[j, :L] = s.hidden.view(L, num_stored_taps, hsz)[:, tap_index].reshape(L, -1)
+        hidden[j, :L] = s.hidden.view(L, num_stored_taps, per_tap)[:, tap_index].reshape(L, -1)
         if scales is not None:
-            scales[j, :L] = s.hidden_scale[:, tap_index]
+            scales[j, :L] = s.hidden_scale.view(L, num_stored_taps, scale_per_tap)[:, tap_index].reshape(L, -1)
         anchors[j, : len(a)] = a
         spans[j, : len(a)] = anchor_spans(s.loss_mask, a)
         ids[j, :m], pos[j, :m], labels[j, :m] = bi, bp, bl
@@ -179,7 +182,7 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device,
     The training loop enqueues its steps ahead of the GPU. A copy on the compute stream waits behind
     the step before it (~170 MB of hidden states per 4096 tokens at the 8B shape, milliseconds). On a
     side stream it overlaps that step, and the compute stream waits only for the copy itself.
-    fp8 hidden states ("hidden_scale" present) are dequantized to bf16 there too, after their copy.
+    Quantized hidden states ("hidden_scale" present) are dequantized to bf16 there too, after their copy.
     """
     if copy_stream is None:
         return _dequantized({k: v.to(device, non_blocking=True) for k, v in batch.items()})
@@ -193,9 +196,9 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device,
 
 
 def _dequantized(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """fp8 hidden states and their scales -> bf16 "hidden" [b, T, K'*H], what the host reader would give."""
+    """Quantized hidden states and their scales -> bf16 "hidden" [b, T, K'*H], what the host reader would give."""
     if "hidden_scale" not in batch:
         return batch
     scale = batch.pop("hidden_scale")
-    batch["hidden"] = fp8_dequantize(batch["hidden"], scale).to(torch.bfloat16)
+    batch["hidden"] = dequantize(batch["hidden"], scale).to(torch.bfloat16)
     return batch

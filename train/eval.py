@@ -72,6 +72,11 @@ def _drafters(run: str, checkpoint: str, export: str) -> tuple[dict[str, Any], d
             raise ValueError(f"{export}: not a draftcache export (no modeling_dflash.py)")
         # exactly as a user loads it: the export's own modeling file, its bf16 weights
         out["export"] = AutoModel.from_pretrained(export, trust_remote_code=True, dtype=torch.bfloat16)
+    for name, d in out.items():  # a diverged run's weights would decode "lossless" at τ 1
+        bad = [k for k, v in d.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:
+            raise ValueError(f"{ck if name == 'checkpoint' else export}: the drafter's {bad[0]} holds NaN or inf "
+                             "(a diverged run); not evaluated")
     return out, state, ck
 
 

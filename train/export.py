@@ -51,17 +51,33 @@ def from_export_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False) -> Path:
     """Write the run's chosen checkpoint to `out`; a non-empty `out` is refused unless `overwrite`
-    (files of another export beside ours would be served with it)."""
+    (files of another export beside ours would be served with it).
+
+    Nothing is deleted before its replacement is complete: the checkpoint is read and checked
+    first, the export is written beside `out` (`.NAME.partial`) and swapped in by renames, and only
+    then is the old export removed. `out` may not be the run directory, lie inside it or hold it.
+    """
     from train.checkpoint import load_checkpoint, resolve_checkpoint
 
-    dst = Path(out)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        if not overwrite:
-            raise ValueError(f"{dst}: exists and is not empty; pass --overwrite to replace it, or another --out")
-        shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
-
+    dst, run_dir = Path(out).resolve(), Path(run).resolve()
+    if dst == run_dir or run_dir in dst.parents or dst in run_dir.parents:
+        raise ValueError(f"--out {out}: is, holds or lies inside the run directory {run}; choose another --out")
+    occupied = dst.exists() and (not dst.is_dir() or any(dst.iterdir()))
+    if occupied and not overwrite:
+        raise ValueError(f"{out}: exists and is not empty; pass --overwrite to replace it, or another --out")
     weights, _, state = load_checkpoint(resolve_checkpoint(run, checkpoint))
-    return write_export(dst, state, weights)
+    bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise ValueError(f"{run}: the checkpoint's {bad[0]} holds NaN or inf (a diverged run); not exported")
+    tmp, old = dst.with_name(f".{dst.name}.partial"), dst.with_name(f".{dst.name}.old")
+    for p in (tmp, old):  # left by an export killed midway
+        shutil.rmtree(p, ignore_errors=True)
+    write_export(tmp, state, weights)
+    if dst.exists():
+        dst.rename(old)
+    tmp.rename(dst)
+    shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    return Path(out)
 
 
 def write_export(dst: Path, state: dict, weights: dict[str, torch.Tensor]) -> Path:

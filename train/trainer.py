@@ -169,6 +169,9 @@ class Trainer:
         self.stale = max(0, self.step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
         self.stats = StepStats(cfg.block_size, self.device)
         self.saved_at = -1  # the step last checkpointed: a run's end often falls on a --checkpoint-every step
+        # the first step whose loss or gradient norm was not finite (0: none), kept on the device so
+        # the check costs no host sync per step; read before every row, evaluation and checkpoint
+        self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
         self.out_of_time = False
 
     # ------------------------------------------------------------------ the plan
@@ -251,13 +254,27 @@ class Trainer:
             with self.ddp.no_sync() if not sync else contextlib.nullcontext():
                 out = forward_backward(self.ddp, batch, self.loss, grad_scale=1.0 / cfg.grad_accum)
             self.stats.add(out, batch)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
+        self.step += 1
+        bad = ~torch.isfinite(norm) | ~torch.isfinite(out["loss"].detach())
+        self.diverged_at = torch.where(bad & (self.diverged_at == 0), self.step, self.diverged_at)
         self.opt.step()
         self.sched.step()
-        self.step += 1
+
+    def check_finite(self) -> None:
+        """Stop with one line if any step so far had a non-finite loss or gradient norm: the weights
+        after it are not to be evaluated, saved or exported (every rank raises alike)."""
+        bad = self.diverged_at.clone()
+        if self.world > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if int(bad):
+            raise ValueError(f"{self.cfg.out}: training diverged at step {int(bad)} (a loss or gradient norm that is "
+                             "NaN or inf); nothing after it was saved. Lower --lr or --clip, or resume from an "
+                             "earlier checkpoint")
 
     def log_row(self, epoch: int) -> None:
         """One metrics row over the steps since the last one (all ranks take part)."""
+        self.check_finite()
         s = self.stats.reduced(self.world)
         dt = time.time() - self.stats.since
         acc = s.acc()
@@ -270,6 +287,7 @@ class Trainer:
 
     def validate(self, epoch: int) -> None:
         """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as checkpoints/best-STEP."""
+        self.check_finite()
         row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world, loss=self.loss)
         self.log.write({"step": self.step, "epoch": epoch, **row})
         self.stale += 1
@@ -285,6 +303,7 @@ class Trainer:
         """A step-N checkpoint that resumes at (epoch, step in epoch); once per step."""
         if self.saved_at == self.step:  # the same weights again (GBs at the 8B shape); every rank skips alike
             return
+        self.check_finite()
         self.saved_at = self.step
         if self.rank == 0:
             save_checkpoint(self.cfg.out, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
@@ -305,7 +324,10 @@ class Trainer:
         if cfg.resume and ck is not None:
             weights, opt_state, saved = load_checkpoint(ck)
             _check_resume(cfg, saved)
-            self.model.load_state_dict(weights, strict=False)
+            try:  # strict: a checkpoint missing a tensor would leave it at its random init
+                self.model.load_state_dict(weights, strict=True)
+            except RuntimeError as e:
+                raise ValueError(f"{ck}: its weights do not fit this drafter ({str(e).splitlines()[0]})") from None
             self.opt.load_state_dict(opt_state["optimizer"])
             self.sched.load_state_dict(opt_state["scheduler"])
             self.step, self.start_epoch, self.skip = saved["step"], saved["epoch"], saved["step_in_epoch"]

@@ -146,6 +146,37 @@ def test_wrong_drafter_is_still_lossless(trained, tmp_path):
     assert res["lossless"] is True and res["tau"] < 1.2
 
 
+def test_a_diverged_drafter_is_neither_evaluated_nor_exported(trained, tmp_path):
+    from safetensors.torch import save_file
+
+    _, prompts, run = trained
+    weights, _, state = load_checkpoint(latest_checkpoint(run))
+    ck = tmp_path / "runs" / "nan" / "checkpoints" / "step-1"
+    ck.mkdir(parents=True)
+    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()}, str(ck / "model.safetensors"))
+    (ck / "state.json").write_text(json.dumps(state))
+    out = CliRunner().invoke(eval_main, ["--run", str(tmp_path / "runs" / "nan"), "--prompts", prompts, "--limit", "1"])
+    assert out.exit_code == 2 and "NaN or inf" in out.output and "Traceback" not in out.output
+    with pytest.raises(ValueError, match="NaN or inf"):
+        export_run(str(tmp_path / "runs" / "nan"), str(tmp_path / "exp"))
+    assert not (tmp_path / "exp").exists()
+
+
+def test_export_never_destroys_before_it_replaces(trained, tmp_path):
+    _, _, run = trained
+    good = export_run(run, str(tmp_path / "exp"))
+    before = (good / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError):  # a mistyped --run: the old export stays whole
+        export_run(str(tmp_path / "no-such-run"), str(good), overwrite=True)
+    assert (good / "model.safetensors").read_bytes() == before
+    for out in (run, str(Path(run) / "exp"), str(Path(run).parent)):  # the run itself, inside it, above it
+        with pytest.raises(ValueError, match="run directory"):
+            export_run(run, out, overwrite=True)
+    assert latest_checkpoint(run) is not None
+    export_run(run, str(good), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]  # no partial or old copy left beside it
+
+
 def test_export_round_trip(trained, tmp_path):
     _, _, run = trained
     out = export_run(run, str(tmp_path / "exp"))

@@ -104,6 +104,32 @@ def test_decode_aware_weights_train_and_resume_bit_identically(store, tmp_path):
         _cfg(store, tmp_path / "x", visit_weight=float("inf"))
 
 
+def test_a_diverged_run_stops_naming_the_step_and_saves_nothing_after_it(store, tmp_path):
+    out = tmp_path / "d"
+    with pytest.raises(ValueError, match=r"diverged at step \d+"):
+        train(_cfg(store, out, max_steps=40, lr=1e35, clip=1e30, checkpoint_every=1, keep_checkpoints=50))
+    from safetensors.torch import load_file
+
+    for ck in (out / "checkpoints").glob("step-*"):  # whatever was saved is finite
+        assert all(torch.isfinite(v).all() for v in load_file(str(ck / "model.safetensors")).values()), ck.name
+    for bad in (dict(keep_checkpoints=0), dict(keep_checkpoints=-1), dict(lr=float("inf")), dict(clip=float("nan"))):
+        with pytest.raises(ValueError, match="keep_checkpoints|lr and clip"):
+            _cfg(store, tmp_path / "x", **bad)
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_on_resume(store, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "m"
+    train(_cfg(store, out, max_steps=10, checkpoint_every=10))
+    ck = latest_checkpoint(out)
+    w = load_file(str(ck / "model.safetensors"))
+    w.pop(sorted(w)[0])
+    save_file(w, str(ck / "model.safetensors"))
+    with pytest.raises(ValueError, match="do not fit this drafter"):
+        train(_cfg(store, out, max_steps=20, checkpoint_every=10, resume=True))
+
+
 def test_time_limit_stops_at_a_logged_step_with_a_checkpoint_and_resume_finishes(store, tmp_path):
     out = tmp_path / "t"
     res = train(_cfg(store, out, max_steps=20, time_limit=1e-6, val_samples=4, val_every=3))  # past it at row one
