@@ -83,6 +83,23 @@ def test_a_changed_manifest_and_a_missing_checksums_file_are_named(sound, tmp_pa
     assert verify_store(store)["bad_files"][0]["file"] == CHECKSUMS_FILE
 
 
+def test_an_emptied_checksum_list_is_named_by_verify_and_refused_by_training(sound, tmp_path):
+    from train.config import TrainConfig
+    from train.trainer import train
+
+    store = tmp_path / "s.zarr"
+    shutil.copytree(sound, store)
+    doc = json.loads((store / CHECKSUMS_FILE).read_text())
+    doc["files"] = {}
+    (store / CHECKSUMS_FILE).write_text(json.dumps(doc))
+    bad = verify_store(store)["bad_files"]
+    assert {"file": "frozen.safetensors", "reason": f"not covered by {CHECKSUMS_FILE}"} in bad
+    assert len(bad) == len(covered_files(store, StoreReader(store).manifest))  # every file is named
+    with pytest.raises(ValueError, match="not covered"):
+        train(TrainConfig(store=str(store), out=str(tmp_path / "r"), num_layers=1, block_size=4, num_anchors=8,
+                          max_steps=2, token_budget=512, workers=0))
+
+
 @pytest.mark.parametrize("kind", ["frozen.safetensors", "prompts.safetensors"])
 def test_training_refuses_damaged_frozen_weights_and_prompt_keys(sound, tmp_path, kind):
     from train.config import TrainConfig
