@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +166,13 @@ class Manifest:
         scales = {"bfloat16": 0, "fp8_e4m3": 4 * len(self.layer_ids), "mxfp4": self.row_width // 32}[self.dtype]
         last = 2 * self.target.hidden_size if self.last_hidden else 0
         return hidden + scales + last + 4 + 1  # + input_ids int32 + loss_mask uint8
+
+    def identity(self) -> str:
+        """sha256 of what the store holds: target, tokenizer, taps, dtype, dataset (its sha256),
+        lengths and layout; not extract_config, so a store moved to another path or extracted
+        with other writer settings keeps its identity. Training runs refuse to resume on another."""
+        d = {k: v for k, v in self.to_dict().items() if k != "extract_config"}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

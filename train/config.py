@@ -180,8 +180,9 @@ class TrainConfig:
         return d
 
 
-# Fields that may change on --resume without changing what is trained.
-RESUME_FREE = ("resume", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
+# Fields that may change on --resume without changing what is trained (the store is checked by its
+# content's identity instead of its path: a store moved elsewhere resumes, another at the same path does not).
+RESUME_FREE = ("store", "resume", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
                "patience",
                "loss_chunk", "loss_backward", "grad_reduce",

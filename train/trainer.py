@@ -77,7 +77,10 @@ AHEAD_STEPS = 8
 BEST_BY = "val_decode_tau"
 
 
-def _check_resume(cfg: TrainConfig, saved: dict[str, Any]) -> None:
+def _check_resume(cfg: TrainConfig, saved: dict[str, Any], store_identity: str) -> None:
+    if saved.get("store_identity") != store_identity:  # same path, other content: another dataset
+        raise ValueError(f"cannot resume {cfg.out}: {cfg.store} is not the store it was trained on (its manifest "
+                         "differs: another target, dataset or layout); train into another --out")
     now, old = cfg.to_dict(), saved["config"]
     diffs = [f"{k}: checkpoint has {old.get(k)!r}, now {now[k]!r}" for k in now if k not in RESUME_FREE and old.get(k) != now[k]]
     if diffs:
@@ -158,7 +161,7 @@ class Trainer:
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
         self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": self.layer_ids,
                        "mask_token": m.mask_token if self.dc.mask_token_id == m.mask_token_id else "",
-                       "store": str(cfg.store), "target": m.target.name, "num_target_layers": m.target.num_layers,
+                       "store": str(cfg.store), "store_identity": m.identity(), "target": m.target.name, "num_target_layers": m.target.num_layers,
                        "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                               config={k: self.record[k] for k in ("train", "drafter")})
@@ -323,7 +326,7 @@ class Trainer:
                              "or another --out")
         if cfg.resume and ck is not None:
             weights, opt_state, saved = load_checkpoint(ck)
-            _check_resume(cfg, saved)
+            _check_resume(cfg, saved, self.reader.manifest.identity())
             try:  # strict: a checkpoint missing a tensor would leave it at its random init
                 self.model.load_state_dict(weights, strict=True)
             except RuntimeError as e:

@@ -130,6 +130,28 @@ def test_a_checkpoint_missing_a_tensor_is_refused_on_resume(store, tmp_path):
         train(_cfg(store, out, max_steps=20, checkpoint_every=10, resume=True))
 
 
+def test_resume_refuses_another_store_at_the_same_path(store, tmp_path):
+    import dataclasses
+
+    out, moved = tmp_path / "i", tmp_path / "moved.zarr"
+    shutil.copytree(store, moved)
+    train(_cfg(str(moved), out, max_steps=10, checkpoint_every=10))
+    # the same content under another path resumes (identity is content, not path) ...
+    from cache_format.layout import MANIFEST_KEY, read_root_attrs, update_root_attrs
+    from cache_format.schema import Manifest
+
+    train(_cfg(store, out, max_steps=15, checkpoint_every=5, resume=True))
+    # ... a store replaced at the path by another dataset does not
+    m = Manifest.from_dict(read_root_attrs(moved)[MANIFEST_KEY])
+    other = dataclasses.replace(m, dataset=dataclasses.replace(m.dataset, sha256="f" * 64))
+    update_root_attrs(moved, **{MANIFEST_KEY: other.to_dict()})
+    from cache_format.checksums import record_checksums
+
+    record_checksums(moved, other, finalized=True)  # a sound store in its own right, of another dataset
+    with pytest.raises(ValueError, match="not the store it was trained on"):
+        train(_cfg(str(moved), out, max_steps=20, checkpoint_every=5, resume=True, verify_shards="off"))
+
+
 def test_time_limit_stops_at_a_logged_step_with_a_checkpoint_and_resume_finishes(store, tmp_path):
     out = tmp_path / "t"
     res = train(_cfg(store, out, max_steps=20, time_limit=1e-6, val_samples=4, val_every=3))  # past it at row one
