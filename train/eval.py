@@ -25,6 +25,7 @@ from typing import Any
 
 import click
 import torch
+from tqdm import tqdm
 
 from train.acceptance import decode_chain, teacher_forced_accepts
 from train.checkpoint import load_checkpoint, resolve_checkpoint
@@ -92,7 +93,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
         raise ValueError("give --run (a training run), --export (an exported directory) or both")
     drafters, state, ck = _drafters(run, checkpoint, export)
     if not (target or state):
-        raise ValueError("--export without --run needs --target (the export does not name its target)")
+        target = _export_target(export)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tgt = load_target(target or state["target"], device=device, dtype=getattr(torch, dtype))
     model, tok = tgt.model, tgt.tokenizer
@@ -105,7 +106,12 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     secs = dict.fromkeys(drafters, 0.0)
     base_s = pl_s = 0.0
     base_fw = pl_fw = pl_tokens = 0
-    for name, msgs in _prompts(prompts, limit):
+    todo = _prompts(prompts, limit)
+    if not todo:
+        raise ValueError(f"--prompts {prompts}: no prompts to evaluate")
+    # prompts done, τ so far and the time left, on stderr (a CPU evaluation of 48 prompts takes an hour)
+    bar = tqdm(todo, desc=f"eval on {device.type}", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+    for name, msgs in bar:
         ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=set(eos))
@@ -132,6 +138,8 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
         pl_tokens += pl.shape[1] - len(ids)
         for r in rows.values():
             r[-1].update(prompt_lookup_new_tokens=pl.shape[1] - len(ids), prompt_lookup_target_forwards=box["n"])
+        bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{_tau(r):.2f}" for k, r in rows.items()})
+    bar.close()
     res = {}
     for which in drafters:
         r = rows[which]
@@ -162,6 +170,36 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
             out["export"] = {**{k: v for k, v in res["export"].items() if k != "prompts"}, "path": export}
         return out
     return {**res["export"], "export_path": export}
+
+
+def _tau(rows: list[dict[str, Any]]) -> float:
+    """τ over the prompts so far: new tokens per target forward, token-weighted."""
+    return sum(r["new_tokens"] for r in rows) / max(1, sum(r["target_forwards"] for r in rows))
+
+
+def _export_target(export: str) -> str:
+    """The target an export names (config.json "draftcache_target"): its path hint if that file is
+    still the target (same sha256), else the packaged default target if it is that one; otherwise a
+    one-line error naming the target to pass with --target."""
+    from cache_format.target import packaged_gguf, target_sha256
+
+    want = json.loads((Path(export) / "config.json").read_text()).get("draftcache_target") or {}
+    if not want.get("sha256"):
+        raise ValueError(f"{export}: the export does not name its target; pass --target")
+    candidates = [want.get("path_hint", "")]
+    try:
+        candidates.append(packaged_gguf())
+    except (ValueError, OSError):
+        pass  # the packaged target is not installed
+    for path in candidates:
+        if path and Path(path).exists():
+            try:
+                if target_sha256(path) == want["sha256"]:
+                    return path
+            except (ValueError, OSError):
+                continue
+    raise ValueError(f"{export}: trained for the target {want.get('name') or '?'} (sha256 {want['sha256'][:12]}..., "
+                     f"last seen at {want.get('path_hint') or '?'}), which is not there; pass --target PATH")
 
 
 def _teacher_forced_row(drafter, target, prompt: list[int], new: list[int], decoded: list[int]) -> dict[str, Any]:

@@ -120,6 +120,10 @@ def export_config(state: dict) -> dict:
         "dflash_config": {"mask_token_id": dc.mask_token_id, "mask_token": state.get("mask_token", ""),
                           "target_layer_ids": list(state["layer_ids"])},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in state["layer_ids"]],
+        # the target it drafts for: train.eval --export finds it by this (the path where it was trained
+        # is only a hint: the sha256 says whether a file is that target)
+        "draftcache_target": {"name": Path(state.get("target", "")).name, "sha256": state.get("target_sha256", ""),
+                              "path_hint": state.get("target", "")},
     }
 
 

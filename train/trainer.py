@@ -162,6 +162,7 @@ class Trainer:
         self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": self.layer_ids,
                        "mask_token": m.mask_token if self.dc.mask_token_id == m.mask_token_id else "",
                        "store": str(cfg.store), "store_identity": m.identity(), "target": m.target.name,
+                       "target_sha256": m.target.sha256,
                        "num_target_layers": m.target.num_layers,
                        "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,

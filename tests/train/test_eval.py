@@ -313,6 +313,28 @@ def test_eval_reports_the_export_beside_the_checkpoint(trained, tmp_path):
     assert res["drafter_dtype"] == "float32" and e["drafter_dtype"] == "bfloat16" and e["path"] == str(out)
     assert res["lossless"] is True and e["lossless"] is True and e["num_prompts"] == res["num_prompts"] == 6
     assert e["tau"] > 1.5 and abs(e["tau"] - res["tau"]) < 0.5, (res["tau"], e["tau"])
+    # the export alone: it names its target (sha256 and a path hint), so no --target is needed
+    alone = CliRunner().invoke(eval_main, ["--export", str(out), "--prompts", prompts, "--max-new-tokens", "24",
+                                           "--json"])
+    assert alone.exit_code == 0, alone.output[-2000:]
+    got = json.loads([x for x in alone.stdout.splitlines() if x.startswith("{")][-1])
+    assert got["tau"] == e["tau"] and got["lossless"] is True
+    assert "6/6" in alone.stderr and "tau=" in alone.stderr  # the progress bar: prompts done, τ so far
+
+
+def test_an_export_finds_its_target_by_sha256_or_names_it(tmp_path):
+    from cache_format.target import packaged_gguf, target_sha256
+    from train.eval import _export_target
+
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    gguf = packaged_gguf()
+    named = {"name": "model.gguf", "sha256": target_sha256(gguf), "path_hint": str(tmp_path / "gone.gguf")}
+    (exp / "config.json").write_text(json.dumps({"draftcache_target": named}))
+    assert _export_target(str(exp)) == gguf  # the hint is gone: the packaged target has the same sha256
+    (exp / "config.json").write_text(json.dumps({"draftcache_target": {**named, "sha256": "ab" * 32}}))
+    with pytest.raises(ValueError, match=r"trained for the target model.gguf \(sha256 abababababab.*--target"):
+        _export_target(str(exp))
 
 
 def test_export_of_a_packaged_target_drafter_is_lossless_when_served(tmp_path, packaged_hf_dir):
