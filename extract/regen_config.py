@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ENGINES", "RegenConfig"]
+__all__ = ["ENGINES", "RegenConfig", "parse_template_kwargs"]
 
 ENGINES = ("auto", "static", "hf", "openai")
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """A --chat-template-kwargs value as a dict; ValueError in one line unless it is a JSON object."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs {text!r} is not JSON: {e.msg} at character {e.pos}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs {text!r} must be a JSON object, e.g. '{{\"enable_thinking\": false}}'")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,7 +33,13 @@ class RegenConfig:
     """HF directory or .gguf (default: the packaged SmolLM2 GGUF). With --engine openai only its
     tokenizer is read, and only for --invent."""
     prompts: str = "default"
-    """'default' (the packaged training prompts) or a JSONL of conversations (assistant turns dropped)."""
+    """'default' (the packaged training prompts) or a JSONL of conversations: their assistant turns are
+    dropped and regenerated in order, each after the regenerated history (system messages kept)."""
+    turns: str = "all"
+    """all: answer every user turn of a conversation, turn by turn; first: only its first."""
+    chat_template_kwargs: str = ""
+    """A JSON object of chat-template options, e.g. '{"enable_thinking": false}' (render as the serving
+    mode does); passed to the template in-process and to servers as chat_template_kwargs."""
     limit: int = 0
     """Use only the first N prompts (0 = all)."""
     num_samples: int = 1
@@ -61,6 +81,9 @@ class RegenConfig:
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("--out is required")
+        if self.turns not in ("all", "first"):
+            raise ValueError(f"--turns must be all or first, got {self.turns!r}")
+        _ = self.template_kwargs  # refuses text that is not a JSON object
         if self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if len(self.shard) != 2 or not 0 <= self.shard[0] < self.shard[1]:
@@ -82,6 +105,11 @@ class RegenConfig:
                 raise ValueError("--concurrency >= 1, --request-timeout > 0 and --retries >= 0 are needed")
         elif self.base_url:
             raise ValueError("--base-url is for --engine openai")
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs parsed: {} when empty."""
+        return parse_template_kwargs(self.chat_template_kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

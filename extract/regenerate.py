@@ -38,6 +38,8 @@ import torch
 from cache_format.cli import config_command
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
+from extract.sampling import request_key
+from extract.turns import TurnLog, history, segments, turn_key
 
 __all__ = ["RegenConfig", "RegenSummary", "chat_ids", "eos_ids", "hf_tokens", "pre_query_text", "regenerate"]
 
@@ -68,30 +70,29 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
         convs, num_samples = [], 1
     elif cfg.prompts == "default":
         convs, num_samples = train_prompts(), cfg.num_samples
-    else:  # a prompt file has user turns only; any assistant turns are dropped and regenerated
-        convs = [[m for m in msgs if m["role"] != "assistant"]
-                 for _, msgs in read_conversations(cfg.prompts, skip_bad=False, require_assistant=False)]
+    else:  # assistant turns are dropped and regenerated, turn by turn (extract/turns.py)
+        convs = [msgs for _, msgs in read_conversations(cfg.prompts, skip_bad=False, require_assistant=False)]
         num_samples = cfg.num_samples
     convs = convs[: cfg.limit] if cfg.limit else convs
+    segs = [segments(c, cfg.turns) for c in convs]  # per conversation, the messages of each turn
     out = Path(cfg.out)
     done = _done_pairs(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    kwargs = cfg.template_kwargs
     if cfg.engine == "openai":
         tok = _tokenizer_only(cfg.target) if cfg.invent else None
         opening = pre_query_text(tok) + cfg.invent_prefix if cfg.invent else ""
-        lengths = [len(opening)] * cfg.invent if cfg.invent else [sum(len(m["content"]) for m in c) for c in convs]
-        results = _openai_results(cfg, convs, opening, _todo(cfg, lengths, num_samples, done))
-        return _write(cfg, out, convs, results)
+        if cfg.invent:
+            results = _openai_results(cfg, opening, [(job, None, request_key(cfg.seed, *job)) for job in
+                                                     _todo(cfg, [len(opening)] * cfg.invent, 1, done)])
+            return _write(cfg, out, segs, results)
+        first = _todo(cfg, [sum(len(m["content"]) for m in s[0]) if s else 0 for s in segs], num_samples, done)
+        return _rounds(cfg, out, segs, done, first, lambda reqs, turn: _openai_results(cfg, "", reqs))
     from cache_format.target import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = loaded or load_target(cfg.target, device=device)
     tok, model = t.tokenizer, t.model
-    opening = pre_query_text(tok) + cfg.invent_prefix if cfg.invent else ""
-    if cfg.invent:
-        prompt_ids = [tok(opening, add_special_tokens=False)["input_ids"]] * cfg.invent
-    else:
-        prompt_ids = [chat_ids(tok, c) for c in convs]
     engine = cfg.engine
     if engine in ("auto", "static"):
         from extract.engine import supports
@@ -102,13 +103,63 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
         engine = "hf" if why else "static"
     eos = eos_ids(tok, model)
     batch = cfg.batch_size or (1024 if device.type == "cuda" else 16)
+    if cfg.invent:
+        opening = pre_query_text(tok) + cfg.invent_prefix
+        prompt_ids = [tok(opening, add_special_tokens=False)["input_ids"]] * cfg.invent
+        if engine == "static":
+            todo = _todo(cfg, [len(p) for p in prompt_ids], 1, done)
+            results = _static_results(cfg, model, tok, [(job, prompt_ids[job[0]], request_key(cfg.seed, *job))
+                                                        for job in todo], eos, batch)
+        else:
+            results = _hf_results(cfg, model, tok, prompt_ids, 1, done, eos, batch, device)
+        return _write(cfg, out, segs, results)
+
+    def ids_of(msgs: list[dict]) -> list[int]:
+        return chat_ids(tok, msgs, kwargs)
+
     if engine == "static":
-        todo = _todo(cfg, [len(p) for p in prompt_ids], num_samples, done)
-        results = _static_results(cfg, model, tok, prompt_ids, todo, eos, batch)
-    else:
-        results = ((job, tok.decode(toks, skip_special_tokens=True), len(toks), 1)
-                   for job, toks in hf_tokens(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device))
-    return _write(cfg, out, convs, results)
+        first = _todo(cfg, [len(ids_of(s[0])) if s else 0 for s in segs], num_samples, done)
+
+        def generate(reqs, turn):
+            return _static_results(cfg, model, tok, [(job, ids_of(msgs), key) for job, msgs, key in reqs], eos, batch)
+    else:  # HF generate batches by its own plan: turn 0 as it always did, later turns as one flat list
+        first = None
+
+        def generate(reqs, turn):
+            if turn == 0:  # `reqs` are what the rounds still need of turn 0; HF's plan decides the batches
+                skip = {(i, k) for i in range(len(segs)) for k in range(num_samples)} - {r[0] for r in reqs}
+                return _hf_results(cfg, model, tok, [ids_of(s[0]) if s else [] for s in segs], num_samples,
+                                   skip, eos, batch, device)
+            flat = _hf_results(dataclasses.replace(cfg, shard=(0, 1)), model, tok, [ids_of(m) for _, m, _ in reqs],
+                               1, set(), eos, batch, device)
+            return ((reqs[p][0], text, n, a) for (p, _), text, n, a in flat)
+    return _rounds(cfg, out, segs, done, first, generate)
+
+
+def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], done: set, first, generate) -> RegenSummary:
+    """Answer every turn of the unfinished conversations, one round per turn (extract/turns.py).
+
+    `first`: this shard's (prompt, sample) pairs to start, in order, or None where the engine's own
+    plan picks them (HF generate: every pair not done of its batches). `generate(reqs, turn)` takes
+    [(job, messages, key)] and yields (job, text or None, new tokens, attempts).
+    """
+    log = TurnLog(out)
+    if first is None:
+        first = [(i, k) for i in range(len(segs)) for k in range(cfg.num_samples) if (i, k) not in done]
+    started = [j for j in first if segs[j[0]]]  # a conversation without a user message has nothing to answer
+    started += [j for j in log.answers if j not in done and j not in set(started)]
+    summary = RegenSummary(0, 0, 0, 0, 0.0)
+    finished: set[tuple[int, int]] = set()
+    for turn in range(max((len(segs[i]) for i, _ in started), default=0)):
+        todo = [j for j in started if len(log.of(j)) == turn < len(segs[j[0]])]
+        if not todo:
+            continue
+        reqs = [(j, history(segs[j[0]], log.of(j)), turn_key(cfg.seed, *j, turn)) for j in todo]
+        s = _write(cfg, out, segs, generate(reqs, turn), log, finished)
+        summary = RegenSummary(*(a + b for a, b in zip(dataclasses.astuple(summary), dataclasses.astuple(s))))
+    # the log is kept while a conversation it holds is unfinished (a failed request: a rerun goes on)
+    log.close(finished=all(j in finished or j in done for j, a in log.answers.items() if a))
+    return summary
 
 
 def _todo(cfg: RegenConfig, lengths: list[int], num_samples: int, done: set) -> list[tuple[int, int]]:
@@ -118,9 +169,10 @@ def _todo(cfg: RegenConfig, lengths: list[int], num_samples: int, done: set) -> 
     return [j for r, j in enumerate(jobs) if r % n == i and j not in done]
 
 
-def chat_ids(tok, conv: list[dict]) -> list[int]:
-    """Token ids of a conversation rendered for the assistant's reply (the chat template's prompt)."""
-    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+def chat_ids(tok, conv: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation rendered for the assistant's reply (the chat template's prompt);
+    template_kwargs go to the template (e.g. {"enable_thinking": False}: the mode that is served)."""
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -131,13 +183,13 @@ def eos_ids(tok, model) -> list[int]:
     return sorted(i for i in ids if isinstance(i, int) and i >= 0)
 
 
-def _static_results(cfg, model, tok, prompt_ids, todo, eos, batch) -> Iterator[tuple[tuple[int, int], str, int]]:
+def _static_results(cfg, model, tok, todo, eos, batch) -> Iterator[tuple[tuple[int, int], str, int, int]]:
+    """todo: [(job, prompt ids, sampling key)] -> (job, text, new tokens, attempts) by the static engine."""
     from extract.engine import Request, StaticEngine
-    from extract.sampling import request_key
 
     eng = StaticEngine(model, batch=batch, max_new_tokens=cfg.max_new_tokens, eos=eos, temperature=cfg.temperature,
                        top_k=cfg.top_k, top_p=cfg.top_p, sync_every=cfg.sync_every)
-    reqs = [Request((i, k), prompt_ids[i], request_key(cfg.seed, i, k)) for i, k in todo]
+    reqs = [Request(job, ids, key) for job, ids, key in todo]
     for job, toks in eng.generate(reqs):
         yield job, tok.decode(toks, skip_special_tokens=True), len(toks), 1
 
@@ -171,18 +223,24 @@ def hf_tokens(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device
                 yield job, row[:cut]
 
 
-def _openai_results(cfg, convs, opening, todo):
+def _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device):
+    return ((job, tok.decode(toks, skip_special_tokens=True), len(toks), 1)
+            for job, toks in hf_tokens(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device))
+
+
+def _openai_results(cfg, opening, todo):
+    """todo: [(job, messages or None, sampling key)]; None sends `opening` to the completions endpoint (--invent)."""
     from extract.openai_engine import ServerRequest, serve
-    from extract.sampling import request_key
 
-    def body(i: int, k: int) -> tuple[str, dict]:
+    def body(msgs, key) -> tuple[str, dict]:
         common = dict(model=cfg.model, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                      top_p=cfg.top_p if cfg.temperature > 0 else 1.0, seed=request_key(cfg.seed, i, k))
-        if cfg.invent:
+                      top_p=cfg.top_p if cfg.temperature > 0 else 1.0, seed=key)
+        if msgs is None:
             return "completions", dict(prompt=opening, **common)
-        return "chat/completions", dict(messages=convs[i], **common)
+        extra = {"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}
+        return "chat/completions", dict(messages=msgs, **common, **extra)
 
-    reqs = (ServerRequest((i, k), *body(i, k)) for i, k in todo)
+    reqs = (ServerRequest(job, *body(msgs, key)) for job, msgs, key in todo)
     # this run retries every request an earlier run listed as failed: the file lists this run's failures
     errors = Path(cfg.out + ".errors.jsonl")
     errors.unlink(missing_ok=True)
@@ -203,8 +261,10 @@ def _openai_results(cfg, convs, opening, todo):
             ef.close()
 
 
-def _write(cfg: RegenConfig, out: Path, convs, results) -> RegenSummary:
-    """Append a record per result (fsync every 2 s and at the end); progress and a closing summary."""
+def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = None,
+           finished: set | None = None) -> RegenSummary:
+    """Append a record per finished conversation, an answered turn of an unfinished one to the turn
+    log (fsync both every 2 s and at the end); progress and a closing summary."""
     from tqdm import tqdm
 
     written = failed = tokens = retried = 0
@@ -225,16 +285,25 @@ def _write(cfg: RegenConfig, out: Path, convs, results) -> RegenSummary:
                     continue  # an empty message is no prompt
                 rec = {"messages": [{"role": "user", "content": message}], "prompt_index": i, "sample": k}
             else:
-                rec = {"messages": convs[i] + [{"role": "assistant", "content": text.strip()}], "prompt_index": i,
-                       "sample": k}
+                answers = log.of((i, k)) + [text.strip()]
+                if len(answers) < len(segs[i]):  # more turns to come: kept in the turn log meanwhile
+                    log.add((i, k), answers[-1])
+                    continue
+                rec = {"messages": history(segs[i], answers[:-1]) + [{"role": "assistant", "content": answers[-1]}],
+                       "prompt_index": i, "sample": k}
+                finished.add((i, k))
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             written += 1
             if time.perf_counter() - last_sync > 2.0:
                 f.flush()
                 os.fsync(f.fileno())
+                if log is not None:
+                    log.sync()
                 last_sync = time.perf_counter()
         f.flush()
         os.fsync(f.fileno())
+        if log is not None:
+            log.sync()
     bar.close()
     s = time.perf_counter() - t0
     msg = f"{written} written, {failed} failed, {tokens} new tokens in {s:.1f} s ({tokens / max(s, 1e-9):,.0f} tok/s)"

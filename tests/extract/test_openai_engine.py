@@ -102,6 +102,28 @@ def test_server_replies_equal_the_in_process_engine(served, tmp_path):
     assert api == local and len(api) == 4
 
 
+def test_multi_turn_conversations_through_the_server_equal_the_in_process_engine(served, tmp_path):
+    # each second turn is answered after the server's own first answer, as in-process
+    convs = [[{"role": "user", "content": "Name a prime number."}, {"role": "assistant", "content": "old"},
+              {"role": "user", "content": "And one more?"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"},
+              {"role": "assistant", "content": "old"}, {"role": "user", "content": "Times two?"}]]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    kw = dict(prompts=str(prompts), max_new_tokens=8, temperature=0.0)
+    res = regenerate(out=str(tmp_path / "api.jsonl"), engine="openai", base_url=(served.url,), model=served.model_dir,
+                     concurrency=2, **kw)
+    assert (res.written, res.failed) == (2, 0)
+    regenerate(out=str(tmp_path / "local.jsonl"), engine="static", **kw)
+
+    def full(path):
+        return {r["prompt_index"]: r["messages"] for r in map(json.loads, open(path, encoding="utf-8"))}
+
+    api, local = full(tmp_path / "api.jsonl"), full(tmp_path / "local.jsonl")
+    assert api == local and [m["role"] for m in api[1]] == ["system", "user", "assistant", "user", "assistant"]
+    assert "old" not in {m["content"] for m in api[0]}
+
+
 def test_a_server_lost_mid_run_is_retried(served, tmp_path):
     out = tmp_path / "x.jsonl"
     relay = Relay(served.port).mend()

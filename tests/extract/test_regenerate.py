@@ -95,3 +95,82 @@ def test_default_data_is_keyed_by_what_decides_it(tmp_path):
     path = lambda **kw: default_data_path(ExtractConfig(store="s", **{"target": a, **kw}))
     assert path() == path() == path(limit=64)  # 64 is the default limit
     assert len({path(), path(limit=8), path(limit=16), path(seed=1), path(target=b)}) == 5
+
+
+def test_segments_and_history_keep_system_messages_and_drop_assistant_turns():
+    from extract.turns import history, segments
+
+    conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"},
+            {"role": "system", "content": "note"}, {"role": "user", "content": "U2"},
+            {"role": "assistant", "content": "A2"}, {"role": "user", "content": "U3"}, {"role": "assistant", "content": "x"}]
+    segs = segments(conv)
+    assert [[m["content"] for m in s] for s in segs] == [["S", "U1"], ["note", "U2"], ["U3"]]
+    assert [m["content"] for m in history(segs, ["a1", "a2"])] == ["S", "U1", "a1", "note", "U2", "a2", "U3"]
+    assert segments(conv, "first") == segs[:1] and segments([{"role": "system", "content": "S"}]) == []
+    with pytest.raises(ValueError, match="turns"):
+        segments(conv, "last")
+
+
+def test_every_turn_equals_hf_generate_after_the_regenerated_history(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from extract.regenerate import chat_ids, eos_ids
+    from extract.turns import history, segments
+
+    target = tiny_target_dir(tmp_path / "t", "llama")
+    prompts = write_chats(tmp_path / "p.jsonl", 4, turns=3)
+    res = regenerate(out=str(tmp_path / "o.jsonl"), target=target, prompts=prompts, max_new_tokens=6, batch_size=3)
+    assert res.written == 4 and not (tmp_path / "o.jsonl.turns.jsonl").exists()
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    eos = eos_ids(tok, model)
+    source = [json.loads(x)["messages"] for x in open(prompts)]
+    for line in open(tmp_path / "o.jsonl"):
+        r = json.loads(line)
+        segs = segments(source[r["prompt_index"]])
+        answers = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+        assert len(answers) == 3 and r["messages"] == history(segs, answers[:2]) + [r["messages"][-1]]
+        for t in range(3):  # each turn: greedy HF generate on the history the run built
+            ids = torch.tensor([chat_ids(tok, history(segs, answers[:t]))])
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=0)
+            assert tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip() == answers[t], (r["prompt_index"], t)
+    first = regenerate(out=str(tmp_path / "f.jsonl"), target=target, prompts=prompts, max_new_tokens=6, turns="first")
+    assert first.written == 4 and all(len(json.loads(x)["messages"]) == 2 for x in open(tmp_path / "f.jsonl"))
+
+
+def test_multi_turn_resume_goes_on_from_each_conversations_next_turn(tmp_path):
+    target = tiny_target_dir(tmp_path / "t", "llama")
+    prompts = write_chats(tmp_path / "p.jsonl", 5, turns=2)
+    kw = dict(target=target, prompts=prompts, num_samples=2, temperature=0.8, max_new_tokens=5, batch_size=4, seed=3)
+    regenerate(out=str(tmp_path / "one.jsonl"), **kw)
+    one = {(r["prompt_index"], r["sample"]): r["messages"] for r in map(json.loads, open(tmp_path / "one.jsonl"))}
+    assert len(one) == 10
+    # a run killed in turn 1: three conversations finished, two with only their first answer logged (one torn)
+    cut = tmp_path / "cut.jsonl"
+    keep = sorted(one)[:3]
+    cut.write_text("".join(json.dumps({"messages": one[j], "prompt_index": j[0], "sample": j[1]}) + "\n" for j in keep))
+    half = sorted(one)[3:5]
+    log = [json.dumps({"prompt_index": j[0], "sample": j[1], "turn": 0, "content": one[j][1]["content"]}) for j in half]
+    (tmp_path / "cut.jsonl.turns.jsonl").write_text(log[0] + "\n" + log[1][:9])
+    assert regenerate(out=str(cut), **kw).written == 7
+    got = {(r["prompt_index"], r["sample"]): r["messages"] for r in map(json.loads, open(cut))}
+    assert got == one and not (tmp_path / "cut.jsonl.turns.jsonl").exists()
+
+
+def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(tmp_path):
+    from transformers import AutoTokenizer
+
+    from extract.regen_config import RegenConfig
+    from extract.regenerate import chat_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir(tmp_path / "t", "llama"))
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}LOUD{% endif %}"
+    conv = [{"role": "user", "content": "hi"}]
+    cfg = RegenConfig(out=str(tmp_path / "o.jsonl"), chat_template_kwargs='{"shout": true}')
+    assert chat_ids(tok, conv, cfg.template_kwargs) == chat_ids(tok, [{"role": "user", "content": "hiLOUD"}])
+    assert chat_ids(tok, conv) != chat_ids(tok, conv, cfg.template_kwargs)
+    for bad, why in (("{shout: true}", "is not JSON"), ("[1]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=why):
+            RegenConfig(out="o.jsonl", chat_template_kwargs=bad)
