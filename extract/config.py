@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_format.schema import DTYPES
+from extract.regen_config import parse_template_kwargs
 
 __all__ = ["ExtractConfig"]
 
@@ -55,6 +56,9 @@ class ExtractConfig:
     the taps agree with the eager layers' within rounding."""
     skip_bad: bool = False
     """Count and skip malformed JSON lines instead of stopping at the first."""
+    chat_template_kwargs: str = ""
+    """A JSON object of chat-template options to render with, e.g. '{"enable_thinking": false}'; must be
+    those the data was regenerated with (its DATA.summary.json); recorded in the manifest's extract_config."""
     overwrite: bool = False
     """Delete an existing store with different settings and start over."""
     limit: int = 0
@@ -62,9 +66,15 @@ class ExtractConfig:
     seed: int = 0
     """Seed for default-data regeneration."""
 
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs parsed: {} when empty."""
+        return parse_template_kwargs(self.chat_template_kwargs)
+
     def __post_init__(self) -> None:
         if not self.store:
             raise ValueError("store path is required")
+        _ = self.template_kwargs  # refuses text that is not a JSON object
         if self.num_taps < 1:
             raise ValueError(f"num_taps must be >= 1, got {self.num_taps}")
         if any(layer < 0 for layer in self.layers):

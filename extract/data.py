@@ -40,22 +40,25 @@ def prompt_key(messages: list[dict[str, str]]) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def render(sample_id: int, messages: list[dict[str, str]], tokenizer, *, max_len: int) -> Rendered:
+def render(sample_id: int, messages: list[dict[str, str]], tokenizer, *, max_len: int,
+           template_kwargs: dict | None = None) -> Rendered:
     """Apply the chat template; loss_mask = 1 exactly on the tokens each assistant turn adds.
 
     Each assistant turn's span is the text its rendering adds after the prompt rendered with
     `add_generation_prompt` (so the assistant header is not supervised, but its end token is).
     Tokens are marked through character offsets, so BPE merges across a boundary cannot shift it.
+    template_kwargs go to every rendering (the chat template's options, e.g. enable_thinking).
     """
+    kw = template_kwargs or {}
     if not getattr(tokenizer, "chat_template", None):
         raise BadRecord("target tokenizer has no chat template; pass a JSONL rendered another way or a chat model")
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    full = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True, **kw) if i else ""
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, **kw)
         if not (full.startswith(upto) and upto.startswith(before)):
             raise BadRecord(f"sample {sample_id}: chat template is not prefix-stable; cannot locate assistant turn {i}")
         spans.append((len(before), len(upto)))
@@ -72,16 +75,16 @@ def render(sample_id: int, messages: list[dict[str, str]], tokenizer, *, max_len
 
 
 def render_many(records: list[tuple[int, list[dict[str, str]]]], tokenizer, *, max_len: int, processes: int = 1,
-                min_parallel: int = 20_000) -> list[Rendered | BadRecord]:
+                min_parallel: int = 20_000, template_kwargs: dict | None = None) -> list[Rendered | BadRecord]:
     """render() over (sample_id, messages) pairs, in order; each result the Rendered or the BadRecord
     it raised. From `min_parallel` records on, chunks go to `processes` spawned processes: the chat
     template and tokenizer cost about 0.5-1 ms a sample in Python, 100 s for 100K samples in one
     process, while a process starts in a few seconds."""
     if processes <= 1 or len(records) < max(min_parallel, 2):
-        return [_render_or_error(sid, m, tokenizer, max_len) for sid, m in records]
+        return [_render_or_error(sid, m, tokenizer, max_len, template_kwargs) for sid, m in records]
     size = -(-len(records) // (4 * processes))  # four chunks a process: the slow ones even out
     chunks = [records[i: i + size] for i in range(0, len(records), size)]
-    work = partial(_render_chunk, tokenizer=tokenizer, max_len=max_len)
+    work = partial(_render_chunk, tokenizer=tokenizer, max_len=max_len, template_kwargs=template_kwargs)
     out: list[Rendered | BadRecord] = []
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
         for part in pool.map(work, chunks):
@@ -89,19 +92,21 @@ def render_many(records: list[tuple[int, list[dict[str, str]]]], tokenizer, *, m
     return out
 
 
-def _render_or_error(sid: int, messages: list[dict[str, str]], tokenizer, max_len: int) -> Rendered | BadRecord:
+def _render_or_error(sid: int, messages: list[dict[str, str]], tokenizer, max_len: int,
+                     template_kwargs: dict | None = None) -> Rendered | BadRecord:
     try:
-        return render(sid, messages, tokenizer, max_len=max_len)
+        return render(sid, messages, tokenizer, max_len=max_len, template_kwargs=template_kwargs)
     except BadRecord as e:
         return e
 
 
-def _render_chunk(records: list[tuple[int, list[dict[str, str]]]], *, tokenizer, max_len: int) -> list[tuple]:
+def _render_chunk(records: list[tuple[int, list[dict[str, str]]]], *, tokenizer, max_len: int,
+                  template_kwargs: dict | None = None) -> list[tuple]:
     """In a worker process: plain tuples and numpy arrays travel back (torch tensors would be passed
     as one shared-memory file each, 200K of them for 100K samples)."""
     out: list[tuple] = []
     for sid, m in records:
-        r = _render_or_error(sid, m, tokenizer, max_len)
+        r = _render_or_error(sid, m, tokenizer, max_len, template_kwargs)
         out.append((sid, str(r)) if isinstance(r, BadRecord) else
                    (sid, r.input_ids.numpy(), r.loss_mask.numpy(), r.truncated, r.prompt_key))
     return out

@@ -36,6 +36,7 @@ import click
 import torch
 
 from cache_format.cli import config_command
+from cache_format.layout import atomic_write_bytes
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 from extract.sampling import request_key
@@ -63,6 +64,15 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
     cache_format.target.LoadedTarget already in memory (several runs, one load).
     """
     cfg = cfg or RegenConfig(**kw)
+    res = _regenerate(cfg, loaded)
+    # what made the output, beside it: extraction refuses to render it with other template options
+    summary = {"chat_template_kwargs": cfg.template_kwargs, "turns": cfg.turns, "config": cfg.to_dict(),
+               "last_run": dataclasses.asdict(res)}
+    atomic_write_bytes(Path(cfg.out + ".summary.json"), json.dumps(summary, indent=1).encode())
+    return res
+
+
+def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
     from cache_format.conversations import read_conversations
     from cache_format.prompts import train_prompts
 

@@ -74,14 +74,32 @@ def _default_data(cfg: ExtractConfig, world: World) -> str:
     return str(path)
 
 
+def _check_template_options(cfg: ExtractConfig, data: str) -> None:
+    """Refuse, in one line, to render data made with other chat-template options than these: answers
+    regenerated in one mode (thinking, say) rendered in another teach the drafter what is never served.
+    The regeneration's summary (DATA.summary.json) says which options made the data."""
+    summary = Path(str(data) + ".summary.json")
+    if not summary.is_file():
+        return
+    try:
+        made = json.loads(summary.read_text()).get("chat_template_kwargs", {})
+    except (ValueError, OSError, AttributeError) as e:
+        raise ValueError(f"{summary}: unreadable ({type(e).__name__}); remove it or repair it") from None
+    if made != cfg.template_kwargs:
+        raise ValueError(f"{data} was regenerated with chat template options {json.dumps(made)} ({summary}), "
+                         f"not {json.dumps(cfg.template_kwargs)}: pass --chat-template-kwargs '{json.dumps(made)}'")
+
+
 def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter, world: World) -> list[Rendered]:
     bad: list[str] = []
     out = []
+    _check_template_options(cfg, data)
     records = list(read_conversations(data, skip_bad=cfg.skip_bad, limit=cfg.limit, bad=bad))
     # the ranks of one host share its cores; one core per rank stays with the target's process
     per_rank = (os.cpu_count() or 1) // max(1, world.local_world_size)
     processes = min(8, per_rank - 1)
-    for (sid, _), r in zip(records, render_many(records, tokenizer, max_len=cfg.max_len, processes=processes)):
+    for (sid, _), r in zip(records, render_many(records, tokenizer, max_len=cfg.max_len, processes=processes,
+                                                             template_kwargs=cfg.template_kwargs)):
         if isinstance(r, BadRecord):
             raise BadRecord(f"{data}:{sid + 1}: {r}")
         if r.truncated and cfg.drop_long:

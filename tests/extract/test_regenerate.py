@@ -174,3 +174,22 @@ def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(tmp_p
     for bad, why in (("{shout: true}", "is not JSON"), ("[1]", "must be a JSON object")):
         with pytest.raises(ValueError, match=why):
             RegenConfig(out="o.jsonl", chat_template_kwargs=bad)
+
+
+def test_extraction_renders_with_the_datas_template_options_or_refuses(tmp_path):
+    from extract.config import ExtractConfig
+    from extract.run import run as extract
+
+    target = tiny_target_dir(tmp_path / "t", "llama")
+    out = tmp_path / "d.jsonl"
+    regenerate(out=str(out), target=target, prompts=write_chats(tmp_path / "p.jsonl", 3), max_new_tokens=40,
+               chat_template_kwargs='{"mode": "brief"}')
+    summary = json.loads((tmp_path / "d.jsonl.summary.json").read_text())
+    assert summary["chat_template_kwargs"] == {"mode": "brief"} and summary["last_run"]["written"] == 3
+    kw = dict(target=target, data=str(out), layers=(0, 2), max_len=256, min_supervised=2, token_budget=1024)
+    with pytest.raises(ValueError, match=r"regenerated with chat template options \{\"mode\": \"brief\"\}"):
+        extract(ExtractConfig(store=str(tmp_path / "a.zarr"), **kw))
+    extract(ExtractConfig(store=str(tmp_path / "b.zarr"), chat_template_kwargs='{"mode": "brief"}', **kw))
+    from cache_format import StoreReader
+
+    assert StoreReader(tmp_path / "b.zarr").manifest.extract_config["chat_template_kwargs"] == '{"mode": "brief"}'
