@@ -13,17 +13,19 @@ import importlib.util
 import json
 from pathlib import Path
 
-__all__ = ["DOMAINS", "HELDOUT_GSM8K", "domain_of", "heldout_prompts", "train_prompts"]
+__all__ = ["DOMAINS", "HELDOUT_GSM8K", "domain_of", "heldout_multiturn", "heldout_prompts", "train_prompts"]
 
 HELDOUT_GSM8K = 100
 DOMAINS = ("math", "code", "chat")
 _CHAT = Path(__file__).parent / "data" / "heldout_chat.jsonl"
+# two-turn everyday chats written for this project: τ is measured on the second turn
+_CHAT2 = Path(__file__).parent / "data" / "heldout_chat_2turn.jsonl"
 
 
 def domain_of(name: str) -> str:
     """The domain of a held-out prompt name: gsm8k/* math, HumanEval/* code, chat/* chat."""
     head = name.split("/")[0]
-    return {"gsm8k": "math", "HumanEval": "code", "chat": "chat"}.get(head, head)
+    return {"gsm8k": "math", "HumanEval": "code", "chat": "chat", "chat2": "chat, second turn"}.get(head, head)
 
 
 def _package_dir(name: str, pip_name: str) -> Path:
@@ -64,3 +66,9 @@ def heldout_prompts() -> list[tuple[str, list[dict]]]:
         out.append((r["task_id"], [{"role": "user", "content": msg}]))
     out += [(f"chat/{i}", r["messages"]) for i, r in enumerate(_jsonl(_CHAT))]
     return out
+
+
+def heldout_multiturn() -> list[tuple[str, list[dict]]]:
+    """(name, messages) of the two-turn held-out chats (names chat2/i): two user messages each; the
+    evaluation answers the first with the target and measures the second."""
+    return [(f"chat2/{i}", r["messages"]) for i, r in enumerate(_jsonl(_CHAT2))]

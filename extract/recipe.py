@@ -70,7 +70,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
         raise ValueError(f"--recipe {name!r}: the only recipe is 'default'")
     import torch
 
-    from cache_format.prompts import heldout_prompts, train_prompts
+    from cache_format.prompts import heldout_multiturn, heldout_prompts, train_prompts
     from cache_format.target import load_target
     from extract.dedup import near_duplicates
     from extract.regenerate import regenerate
@@ -106,6 +106,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
 
     # 2. select (the same on every shard: a pure function of the files)
     held = [m[-1]["content"] for _, m in heldout_prompts()]
+    held += [x["content"] for _, m in heldout_multiturn() for x in m if x["role"] == "user"]
     kept: dict[str, list[str]] = {}
     seen: list[str] = [m[0]["content"] for m in packaged]
     drops = {}

@@ -44,12 +44,37 @@ def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
         for p in heldout_prompts():
             groups.setdefault(domain_of(p[0]), []).append(p)
         prompts = [g[i] for i in range(max(map(len, groups.values()))) for g in groups.values() if i < len(g)]
-    else:
+    elif spec == "multiturn":
+        from cache_format.prompts import heldout_multiturn
+
+        prompts = heldout_multiturn()
+    else:  # assistant turns are answered again by the target (_answer_earlier_turns): τ of the last turn
         from cache_format.conversations import read_conversations
 
-        prompts = [(f"{spec}:{sid + 1}", [m for m in msgs if m["role"] != "assistant"])
+        prompts = [(f"{spec}:{sid + 1}", msgs)
                    for sid, msgs in read_conversations(spec, skip_bad=False, require_assistant=False)]
     return prompts[:limit] if limit else prompts
+
+
+def _answer_earlier_turns(model, tok, msgs: list[dict], *, max_new_tokens: int, eos: set[int]) -> list[dict]:
+    """The conversation as decoding meets its last user turn: assistant messages dropped, every earlier
+    user turn answered by the target's own greedy reply (what a served chat would hold)."""
+    last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    out: list[dict] = []
+    for i, m in enumerate(msgs[: last + 1]):
+        if m["role"] == "assistant":
+            continue
+        out.append(m)
+        if m["role"] == "user" and i < last:
+            ids = _chat_ids(tok, out)
+            reply = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=eos).tokens
+            out.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True).strip()})
+    return out
+
+
+def _chat_ids(tok, msgs: list[dict]) -> list[int]:
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def _count_forwards(model):
@@ -112,8 +137,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     # prompts done, τ so far and the time left, on stderr (a CPU evaluation of 48 prompts takes an hour)
     bar = tqdm(todo, desc=f"eval on {device.type}", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     for name, msgs in bar:
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = _chat_ids(tok, _answer_earlier_turns(model, tok, msgs, max_new_tokens=max_new_tokens, eos=set(eos)))
         base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=set(eos))
         base_s, base_fw = base_s + base.seconds, base_fw + base.target_forwards
         for which, drafter in drafters.items():
@@ -280,7 +304,9 @@ def _plot(res: dict[str, Any], path: Path) -> None:
               "checkpoint directory [default: best if the run validated, else latest].")
 @click.option("--export", default="", help="An exported directory: evaluated as served (bf16 weights, loaded by "
               "AutoModel with trust_remote_code), beside the checkpoint when --run is given too.")
-@click.option("--prompts", default="default", help="'default' (held-out GSM8K slice, HumanEval, chat set) or a JSONL.")
+@click.option("--prompts", default="default", help="'default' (held-out GSM8K slice, HumanEval, chat set), "
+              "'multiturn' (24 two-turn chats: τ of the second turn, after the target's own first answer) or a "
+              "JSONL (multi-turn conversations: τ of the last turn).")
 @click.option("--limit", default=0, help="Evaluate only the first N prompts (0 = all).")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--target", default="", help="Override the target path recorded in the run.")

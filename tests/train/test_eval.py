@@ -132,6 +132,32 @@ def test_replayed_decoding_tau_equals_real_decoding(trained):
     assert row["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6)
 
 
+def test_multiturn_held_out_chats_are_measured_on_their_second_turn(trained):
+    from cache_format.prompts import heldout_multiturn
+
+    chats = heldout_multiturn()
+    assert len(chats) >= 20 and all([m["role"] for m in c] == ["user", "user"] for _, c in chats)
+    _, _, run = trained
+    res = _eval(run, "multiturn", "--limit", "2")
+    assert res["num_prompts"] == 2 and res["lossless"] is True
+    assert list(res["tau_by_domain"]) == ["chat, second turn"]
+
+
+def test_earlier_turns_are_answered_by_the_target_before_the_last_is_measured(trained):
+    from cache_format.target import load_target
+    from train.eval import _answer_earlier_turns, _chat_ids
+    from train.spec_decode import target_generate
+
+    target, _, _ = trained
+    t = load_target(target, device=torch.device("cpu"))
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "stale"}, {"role": "user", "content": "two"}]
+    got = _answer_earlier_turns(t.model, t.tokenizer, msgs, max_new_tokens=5, eos=set())
+    reply = target_generate(t.model, _chat_ids(t.tokenizer, msgs[:2]), max_new_tokens=5, eos=set()).tokens
+    assert [m["role"] for m in got] == ["system", "user", "assistant", "user"]
+    assert got[2]["content"] == t.tokenizer.decode(reply, skip_special_tokens=True).strip() != "stale"
+
+
 def test_wrong_drafter_is_still_lossless(trained, tmp_path):
     _, prompts, run = trained
     weights, _, state = load_checkpoint(latest_checkpoint(run))
