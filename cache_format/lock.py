@@ -1,4 +1,5 @@
-"""One writing run per store: an OS file lock beside the store, held for the run's life.
+"""One writing run per store (and per training run directory and regeneration output): an OS
+file lock beside it, held for the run's life.
 
 `flock` locks belong to the open file and vanish with the process, so a run killed with -9 never
 leaves a stale lock. The lock file sits beside the store (`STORE.lock`), not inside it: an
@@ -8,7 +9,8 @@ A multi-rank run takes it per rank: rank 0 takes `STORE.lock` before anything is
 every other rank takes `STORE.lock.rankR` after a barrier. A second, separate run is refused by
 its rank 0 (its other ranks wait at its barrier and never write). The holder writes its pid,
 host and rank into the file, so the refusal names who holds the store. Readers (`train
---follow`) take no lock.
+--follow`) take no lock. The lock is named after the resolved path, so a second run reaching the
+same store through a symbolic link meets the same lock.
 """
 
 from __future__ import annotations
@@ -30,29 +32,29 @@ class StoreLockedError(CacheFormatError):
 
 
 def lock_path(store: str | os.PathLike, rank: int = 0) -> Path:
-    base = str(Path(store).absolute()).rstrip("/") + ".lock"
+    base = str(Path(store).resolve()).rstrip("/") + ".lock"
     return Path(base if rank == 0 else f"{base}.rank{rank}")
 
 
 class StoreLock:
     """The writing lock of one rank on one store (see the module doc)."""
 
-    def __init__(self, store: str | os.PathLike, rank: int = 0) -> None:
-        self.store, self.rank = str(store), rank
+    def __init__(self, store: str | os.PathLike, rank: int = 0, *, what: str = "store") -> None:
+        self.store, self.rank, self.what = str(store), rank, what
         self.path = lock_path(store, rank)
         self.fd: int | None = None
 
-    def acquire(self) -> StoreLock:
-        """Take the lock now or raise StoreLockedError naming the holder (never waits)."""
+    def acquire(self, *, wait: bool = False) -> StoreLock:
+        """Take the lock now or raise StoreLockedError naming the holder; `wait`: block until it is free."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise StoreLockedError(f"{self.store}: another run is writing this store ({holder}; lock {self.path}); "
-                                   "wait for it to end or stop it") from None
+            raise StoreLockedError(f"{self.store}: another run is writing this {self.what} ({holder}; lock "
+                                   f"{self.path}); wait for it to end or stop it") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
                                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
@@ -66,7 +68,7 @@ class StoreLock:
             self.fd = None
 
     def __enter__(self) -> StoreLock:
-        return self.acquire()
+        return self if self.fd is not None else self.acquire()  # `with lock.acquire(wait=True):` holds it once
 
     def __exit__(self, *exc) -> None:
         self.release()

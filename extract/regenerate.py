@@ -37,6 +37,7 @@ import torch
 
 from cache_format.cli import config_command
 from cache_format.layout import atomic_write_bytes
+from cache_format.lock import StoreLock
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 from extract.sampling import request_key
@@ -64,7 +65,9 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
     cache_format.target.LoadedTarget already in memory (several runs, one load).
     """
     cfg = cfg or RegenConfig(**kw)
-    res = _regenerate(cfg, loaded)
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    with StoreLock(cfg.out, what="regeneration output"):  # two runs appending to one file would interleave
+        res = _regenerate(cfg, loaded)
     # what made the output, beside it: extraction refuses to render it with other template options
     summary = {"chat_template_kwargs": cfg.template_kwargs, "turns": cfg.turns, "config": cfg.to_dict(),
                "last_run": dataclasses.asdict(res)}

@@ -66,10 +66,14 @@ def _default_data(cfg: ExtractConfig, world: World) -> str:
     if not path.exists() and world.rank == 0:
         from extract.regenerate import regenerate
 
-        tmp = path.with_suffix(".partial")
-        regenerate(out=str(tmp), target=cfg.target, limit=cfg.limit or 64, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
-                   seed=cfg.seed)
-        os.replace(tmp, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # two extractions at once: one builds, the other waits for it and then reads what it built
+        with StoreLock(path, what="default data").acquire(wait=True):
+            if not path.exists():
+                tmp = path.with_suffix(".partial")
+                regenerate(out=str(tmp), target=cfg.target, limit=cfg.limit or 64,
+                           max_new_tokens=DEFAULT_MAX_NEW_TOKENS, seed=cfg.seed)
+                os.replace(tmp, path)
     world.barrier()
     return str(path)
 

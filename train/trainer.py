@@ -21,6 +21,7 @@ from tqdm import tqdm
 from cache_format import StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
 from cache_format.cli import to_toml
+from cache_format.lock import StoreLock
 from cache_format.world import World
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
@@ -416,5 +417,9 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Train a drafter as `cfg` says (one rank; under torchrun every rank calls it)."""
-    return Trainer(cfg).fit()
+    """Train a drafter as `cfg` says (one rank; under torchrun every rank calls it). Rank 0 holds
+    RUN.lock for the run's life: a second run into the same --out is refused at once, naming the first."""
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    lock = StoreLock(cfg.out, what="run directory") if World.from_env().rank == 0 else contextlib.nullcontext()
+    with lock:
+        return Trainer(cfg).fit()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import os
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -270,3 +272,25 @@ def test_raw_shard_bytes_equal_zarr_encoding(tmp_path):
     b[:] = np.arange(64, dtype=np.int32)
     write_raw_shard(tmp_path / "raw1", np.arange(32, 64, dtype=np.int32), 0)
     assert (tmp_path / "raw1").read_bytes() == (tmp_path / "y.zarr" / "c" / "1").read_bytes()
+
+
+def test_one_writer_per_output_whatever_the_path(tmp_path):
+    # a symbolic link to a locked store meets the same lock; a waiting taker gets it once it is freed
+    import threading
+
+    from cache_format.lock import StoreLock, StoreLockedError
+
+    (tmp_path / "s.zarr").mkdir()
+    (tmp_path / "link.zarr").symlink_to(tmp_path / "s.zarr")
+    first = StoreLock(tmp_path / "s.zarr").acquire()
+    with pytest.raises(StoreLockedError, match=f"pid {os.getpid()}"):
+        StoreLock(tmp_path / "link.zarr").acquire()
+    got = []
+    t = threading.Thread(target=lambda: got.append(StoreLock(tmp_path / "link.zarr").acquire(wait=True)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not got  # waits while the first holds it
+    first.release()
+    t.join(10)
+    assert got and got[0].fd is not None
+    got[0].release()

@@ -152,6 +152,16 @@ def test_resume_refuses_another_store_at_the_same_path(store, tmp_path):
         train(_cfg(str(moved), out, max_steps=20, checkpoint_every=5, resume=True, verify_shards="off"))
 
 
+def test_a_second_run_into_the_same_out_is_refused(store, tmp_path):
+    from cache_format.lock import StoreLock
+
+    out = tmp_path / "o"
+    with StoreLock(out, what="run directory"):  # as a first run holds it for its life
+        with pytest.raises(ValueError, match="another run is writing this run directory"):
+            train(_cfg(store, out, max_steps=2))
+    train(_cfg(store, out, max_steps=2))  # free again: the refused run left nothing behind
+
+
 def test_time_limit_stops_at_a_logged_step_with_a_checkpoint_and_resume_finishes(store, tmp_path):
     out = tmp_path / "t"
     res = train(_cfg(store, out, max_steps=20, time_limit=1e-6, val_samples=4, val_every=3))  # past it at row one
