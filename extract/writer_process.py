@@ -10,7 +10,9 @@ can be given back.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +58,23 @@ def write_rows(writer, views: dict[str, torch.Tensor], item: WriteItem) -> int:
     return refused
 
 
-def _child(store: str, writer_id: int, ring: HostRing, inbox, outbox) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Ask Linux to kill this process when its parent dies: a SIGKILLed extraction must not leave its
+    writers waiting on their inbox forever (prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before the request was made
+        os._exit(1)
+
+
+def _child(store: str, writer_id: int, ring: HostRing, inbox, outbox, parent: int) -> None:
     from cache_format import ShardWriter
 
+    _die_with_parent(parent)
     try:
         w = ShardWriter(store, writer_id=writer_id)
         outbox.put(("ready", None))
@@ -77,7 +93,7 @@ class ProcessWriter:
         ctx = mp.get_context("spawn")
         self.writer_id = writer_id
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_child, args=(store, writer_id, ring, self.inbox, self.outbox),
+        self.proc = ctx.Process(target=_child, args=(store, writer_id, ring, self.inbox, self.outbox, os.getpid()),
                                 daemon=True)
         self.proc.start()
         self._expect("ready")

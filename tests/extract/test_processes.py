@@ -82,6 +82,41 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, llama):
     assert verify_store(store)["ok"] and verify_store(store)["duplicate_sample_ids"] == []
 
 
+def _children(pid: int) -> set[int]:
+    try:
+        return {int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+    except OSError:
+        return set()
+
+
+@pytest.mark.slow
+def test_writer_processes_die_with_a_killed_extraction(tmp_path, llama):
+    data = write_chats(tmp_path / "many.jsonl", 120, seed=3)
+    store = tmp_path / "s.zarr"
+    p = _cli(_cli_args(store, llama, data, "--token-budget", "256", "--writer", "process", "--writers", "2"))
+    log = store / "commits" / "w00000.jsonl"
+    deadline, kids = time.time() + 120, set()
+    while time.time() < deadline and p.poll() is None:
+        kids |= _children(p.pid)
+        if log.exists() and log.read_text().count("\n") >= 2 and len(kids) >= 2:
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL and len(kids) >= 2, "extraction finished before it could be killed"
+    deadline = time.time() + 15
+    while time.time() < deadline and any(Path(f"/proc/{k}").exists() and "Z" not in _state(k) for k in kids):
+        time.sleep(0.1)
+    assert not [k for k in kids if Path(f"/proc/{k}").exists() and "Z" not in _state(k)], "writers outlived their parent"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"
+
+
 @pytest.mark.slow
 def test_a_second_run_on_a_store_in_use_is_refused_at_once(tmp_path, llama):
     """Two extractions of one store at once: the second (one rank, or two under torchrun) fails in
