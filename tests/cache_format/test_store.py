@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-
 import os
 
 import pytest
