@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cache_format.errors import CacheFormatError
 
-__all__ = ["StoreLock", "StoreLockedError", "lock_path"]
+__all__ = ["StoreLock", "StoreLockedError", "lock_path", "writer_gone"]
 
 
 class StoreLockedError(CacheFormatError):
@@ -72,6 +72,29 @@ class StoreLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def writer_gone(store: str | os.PathLike) -> str | None:
+    """Why the last writer of `store` is known to be gone (None: running, or not known here).
+
+    Reads the holder record of STORE.lock without taking the lock (taking it, even for a moment,
+    would refuse a writer starting then): the writer is gone when it ran on this host and its pid no
+    longer exists. A writer on another host is never called gone (its pid means nothing here).
+    """
+    try:
+        info = json.loads(lock_path(store).read_text() or "{}")
+        pid, host = int(info["pid"]), info["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"its writer (pid {pid} on {host}, since {info.get('since', '?')}) is gone"
+    except PermissionError:
+        return None  # alive, another user's
+    return None
 
 
 def _holder(fd: int) -> str:

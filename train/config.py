@@ -84,6 +84,9 @@ class TrainConfig:
     and mask token must be this run's. A --resume that finds a checkpoint takes that instead."""
     follow: bool = False
     """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
+    follow_timeout: float = 300.0
+    """With --follow: seconds to keep waiting once the store's writer is known to be gone (its pid on
+    this host no longer runs) and the store is not finalized; then stop with one line (0 = wait forever)."""
     workers: int = 2
     """DataLoader worker processes per rank (0 = read in the training process)."""
     tensorboard: bool = False
@@ -134,6 +137,8 @@ class TrainConfig:
         if not 0 < self.lr < float("inf") or not 0 <= self.warmup < 1 or not 0 < self.clip < float("inf"):
             raise ValueError(f"lr and clip must be finite and > 0 and warmup in [0, 1), got lr {self.lr}, "
                              f"clip {self.clip}, warmup {self.warmup}")
+        if not 0 <= self.follow_timeout < float("inf"):
+            raise ValueError(f"follow_timeout must be a finite number >= 0, got {self.follow_timeout}")
         if self.keep_checkpoints < 1 or self.checkpoint_every < 0 or self.workers < 0:
             raise ValueError(f"keep_checkpoints must be >= 1 (0 or less would keep no checkpoint), checkpoint_every "
                              f"and workers >= 0, got {self.keep_checkpoints}, {self.checkpoint_every}, {self.workers}")
@@ -182,7 +187,7 @@ class TrainConfig:
 
 # Fields that may change on --resume without changing what is trained (the store is checked by its
 # content's identity instead of its path: a store moved elsewhere resumes, another at the same path does not).
-RESUME_FREE = ("store", "resume", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
+RESUME_FREE = ("store", "resume", "follow_timeout", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
                "patience",
                "loss_chunk", "loss_backward", "grad_reduce",

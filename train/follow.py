@@ -12,7 +12,7 @@ import numpy as np
 
 from cache_format import StoreReader
 
-__all__ = ["StoreView", "agree_view", "view_of", "wait_for_store"]
+__all__ = ["StoreView", "WriterWatch", "agree_view", "view_of", "wait_for_store"]
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,32 @@ class StoreView:
     finalized: bool  # the store was finalized when these were read: nothing more will come
 
 
+class WriterWatch:
+    """Gives up on a store whose writer is gone: a follower waiting for samples or for the finalize
+    that will never come stops with one line after `timeout` seconds (0 = waits forever)."""
+
+    def __init__(self, root: Path, timeout: float) -> None:
+        self.root, self.timeout, self.since = root, timeout, None
+
+    def check(self) -> None:
+        from cache_format.lock import writer_gone
+
+        why = writer_gone(self.root) if self.timeout else None
+        if why is None:
+            self.since = None
+            return
+        self.since = self.since or time.time()
+        if time.time() - self.since > self.timeout:
+            raise ValueError(f"{self.root}: the store is not finalized and {why}; gave up after "
+                             f"{self.timeout:g} s (--follow-timeout). Rerun the extraction to finish it, then train")
+
+
 def view_of(reader: StoreReader) -> StoreView:
     """What this process's reader holds now (a finalized store, or one rank)."""
     return StoreView(np.sort(reader.sample_ids), reader.finalized)
 
 
-def wait_for_store(root: Path, *, announce: bool, poll_s: float = 1.0) -> None:
+def wait_for_store(root: Path, *, announce: bool, poll_s: float = 1.0, watch: WriterWatch | None = None) -> None:
     """Block until stage one has created the store and saved the frozen target parts (the last
     things it writes before any sample), so `make extract` and `make train --follow` can start together."""
     from cache_format.layout import FROZEN_FILE
@@ -38,11 +58,13 @@ def wait_for_store(root: Path, *, announce: bool, poll_s: float = 1.0) -> None:
         if announce and not said:
             print(f"waiting for stage one to create {root} ...", flush=True)
             said = True
+        if watch is not None:
+            watch.check()
         time.sleep(poll_s)
 
 
 def agree_view(reader: StoreReader, *, rank: int, wait_final: bool, share: Callable[[list], list],
-               poll_s: float = 0.5) -> StoreView:
+               poll_s: float = 0.5, watch: WriterWatch | None = None) -> StoreView:
     """Rank 0's view of the store, once every rank's reader holds all of it.
 
     Ranks poll the store at different moments. Plans built from different committed sets give the
@@ -58,6 +80,8 @@ def agree_view(reader: StoreReader, *, rank: int, wait_final: bool, share: Calla
             reader.refresh()
             if final or not wait_final:
                 break
+            if watch is not None:
+                watch.check()
             time.sleep(poll_s)
         mine: list = [np.sort(reader.sample_ids), final]
     else:

@@ -28,7 +28,7 @@ from train.config import RESUME_FREE, TrainConfig
 from train.data import BatchDataset, CollateSettings, holdout_mask, plan_epoch, plan_holdout, to_device
 from train.data_parallel import data_parallel
 from train.export import start_weights
-from train.follow import StoreView, agree_view, view_of, wait_for_store
+from train.follow import StoreView, WriterWatch, agree_view, view_of, wait_for_store
 from train.losses import Weighting, acceptance_from_acc, default_gamma
 from train.masks import use_flex_attention
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
@@ -99,7 +99,7 @@ def _past(deadline: float, device: torch.device, world: int) -> bool:
 def _open_store(cfg: TrainConfig, rank: int) -> StoreReader:
     """The store, checked: finalized (unless following), creation files intact, holding what the loss needs."""
     if cfg.follow:  # started beside stage one: the store may not exist yet
-        wait_for_store(Path(cfg.store), announce=rank == 0)
+        wait_for_store(Path(cfg.store), announce=rank == 0, watch=WriterWatch(Path(cfg.store), cfg.follow_timeout))
     reader = StoreReader(cfg.store)
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
@@ -131,6 +131,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.reader = _open_store(cfg, self.rank)
+        self.watch = WriterWatch(Path(cfg.store), cfg.follow_timeout)
         m = self.reader.manifest
         self.dc, tap_index = drafter_config(cfg, self.reader)
         self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
@@ -189,13 +190,15 @@ class Trainer:
 
     def _follow_view(self, epoch: int) -> StoreView:
         """The committed samples every rank agrees on; the last epoch waits for the finalized store."""
-        return agree_view(self.reader, rank=self.rank, wait_final=epoch == self.cfg.epochs - 1, share=self._share)
+        return agree_view(self.reader, rank=self.rank, wait_final=epoch == self.cfg.epochs - 1, share=self._share,
+                          watch=self.watch)
 
     def _first_view(self) -> StoreView:
         if not self.cfg.follow:
             return view_of(self.reader)
         view = self._follow_view(0)
         while len(view.sample_ids) == 0:
+            self.watch.check()
             time.sleep(1.0)
             view = self._follow_view(0)
         return view

@@ -54,3 +54,39 @@ def test_a_rank_that_saw_more_plans_from_rank0s_set():
     r = ScriptedReader([([1, 2, 3], False), ([1, 2, 3, 4, 5], True)])
     v = agree_view(r, rank=1, wait_final=True, share=lambda mine: [np.array([1, 2, 3]), False], poll_s=0)
     assert v.sample_ids.tolist() == [1, 2, 3] and not v.finalized and r.refreshes == 1
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_follower_gives_up_on_a_store_whose_writer_is_gone(tmp_path):
+    import json
+    import socket
+    import time
+
+    import pytest
+
+    from cache_format.lock import lock_path, writer_gone
+    from train.follow import WriterWatch
+
+    store = tmp_path / "s.zarr"
+    store.mkdir()
+    assert writer_gone(store) is None  # no writer record: nothing is known
+    rec = {"pid": _dead_pid(), "host": socket.gethostname(), "rank": 0, "since": "then"}
+    lock_path(store).write_text(json.dumps(rec))
+    assert "is gone" in writer_gone(store)
+    r = ScriptedReader([([1, 2], False)])  # never finalized
+    t0 = time.time()
+    with pytest.raises(ValueError, match=r"writer \(pid \d+ .*\) is gone; gave up after 0.5 s"):
+        agree_view(r, rank=0, wait_final=True, share=_solo, poll_s=0.05, watch=WriterWatch(store, 0.5))
+    assert time.time() - t0 < 10
+    lock_path(store).write_text(json.dumps({**rec, "pid": __import__("os").getpid()}))  # a live writer
+    assert writer_gone(store) is None
+    lock_path(store).write_text(json.dumps({**rec, "host": "elsewhere"}))  # another host: not known here
+    assert writer_gone(store) is None
