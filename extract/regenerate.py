@@ -56,6 +56,8 @@ class RegenSummary:
     """Requests that succeeded only after a retry (openai engine)."""
     new_tokens: int
     seconds: float
+    too_long: int = 0
+    """Conversations not answered: their prompt is as long as the target's context or longer (in-process)."""
 
 
 def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> RegenSummary:
@@ -130,23 +132,43 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
     def ids_of(msgs: list[dict]) -> list[int]:
         return chat_ids(tok, msgs, kwargs)
 
+    # a prompt that fills the target's context leaves no room for an answer: refused at once and
+    # counted, not decoded past the positions the target was trained on
+    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    too_long: set[tuple[int, int]] = set()
+
+    def fitting(reqs) -> list[tuple[tuple[int, int], list[int], int]]:
+        out = []
+        for job, msgs, key in reqs:
+            ids = ids_of(msgs)
+            if context and len(ids) >= context:
+                too_long.add(job)
+            else:
+                out.append((job, ids, key))
+        return out
+
     if engine == "static":
         first = _todo(cfg, [len(ids_of(s[0])) if s else 0 for s in segs], num_samples, done)
 
         def generate(reqs, turn):
-            return _static_results(cfg, model, tok, [(job, ids_of(msgs), key) for job, msgs, key in reqs], eos, batch)
+            return _static_results(cfg, model, tok, fitting(reqs), eos, batch)
     else:  # HF generate batches by its own plan: turn 0 as it always did, later turns as one flat list
         first = None
 
         def generate(reqs, turn):
+            fit = fitting(reqs)
             if turn == 0:  # `reqs` are what the rounds still need of turn 0; HF's plan decides the batches
-                skip = {(i, k) for i in range(len(segs)) for k in range(num_samples)} - {r[0] for r in reqs}
+                skip = {(i, k) for i in range(len(segs)) for k in range(num_samples)} - {job for job, _, _ in fit}
                 return _hf_results(cfg, model, tok, [ids_of(s[0]) if s else [] for s in segs], num_samples,
                                    skip, eos, batch, device)
-            flat = _hf_results(dataclasses.replace(cfg, shard=(0, 1)), model, tok, [ids_of(m) for _, m, _ in reqs],
+            flat = _hf_results(dataclasses.replace(cfg, shard=(0, 1)), model, tok, [ids for _, ids, _ in fit],
                                1, set(), eos, batch, device)
-            return ((reqs[p][0], text, n, a) for (p, _), text, n, a in flat)
-    return _rounds(cfg, out, segs, done, first, generate)
+            return ((fit[p][0], text, n, a) for (p, _), text, n, a in flat)
+    res = _rounds(cfg, out, segs, done, first, generate)
+    if too_long:
+        print(f"{len(too_long)} conversations not answered: a prompt of {context} tokens or more (the target's "
+              "context) leaves no room for a reply", file=sys.stderr)
+    return dataclasses.replace(res, too_long=len(too_long))
 
 
 def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], done: set, first, generate) -> RegenSummary:

@@ -204,3 +204,15 @@ def test_two_regenerations_into_one_output_are_refused(tmp_path):
             regenerate(out=str(out), target=tiny_target_dir(tmp_path / "t", "llama"),
                        prompts=write_chats(tmp_path / "p.jsonl", 2), max_new_tokens=2)
     assert not out.exists()
+
+
+def test_prompts_longer_than_the_context_are_refused_at_once_and_counted(tmp_path):
+    target = tiny_target_dir(tmp_path / "t", "llama")  # 512 positions
+    prompts = tmp_path / "p.jsonl"
+    long = " ".join(["alpha"] * 2000)
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n" +
+                       json.dumps({"messages": [{"role": "user", "content": long}]}) + "\n")
+    for engine in ("static", "hf"):
+        res = regenerate(out=str(tmp_path / f"{engine}.jsonl"), target=target, prompts=str(prompts), max_new_tokens=4,
+                         engine=engine)
+        assert (res.written, res.too_long, res.failed) == (1, 1, 0), engine
