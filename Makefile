@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 ENVGPU  = $(if $(GPUS),CUDA_VISIBLE_DEVICES=$(GPUS),)
 LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC),$(PY))
 
-.PHONY: install test lint fmt demo extract train eval inspect verify clean
+.PHONY: install test test-fast lint fmt demo extract train eval inspect verify clean
 
 .venv/.installed: pyproject.toml
 	python3 -m venv .venv
@@ -31,6 +31,9 @@ install: .venv/.installed
 
 test: install  # two workers, a file each at a time (module fixtures such as the served target start once)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+test-fast: install  # the inner loop: the tests not marked slow (process-level runs, compiles, served targets)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: install
 	$(PY) -m ruff check cache_format extract train tests bench

@@ -120,7 +120,7 @@ def main() -> None:
 
         t = load_target("", device=dev)
         model, tok = t.model, t.tokenizer
-        from extract.regenerate import eos_ids
+        from cache_format.target import eos_ids
 
         eos, prompts = eos_ids(tok, model), _prompts(tok, a.prompts)
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, device {dev}, dtype {model.dtype}", flush=True)

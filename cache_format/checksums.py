@@ -105,14 +105,13 @@ def check_checksums(root: str | os.PathLike, *, only: tuple[str, ...] = ()) -> l
     if not only and doc.get("state_sha256") and _json_sha256(attrs.get(STATE_KEY, {})) != doc["state_sha256"] \
             and attrs.get(STATE_KEY, {}).get("finalized"):
         bad.append(("zarr.json", "finalized state changed since finalize"))
-    # the list must cover what the store holds: a file on disk it does not name (an emptied or cut
-    # list, a file added later) is a problem too, not a silent pass
+    # a finalized store's list must cover what the store holds: a file on disk it does not name (an
+    # emptied or cut list, a file added later) is a problem too, not a silent pass. While a store is
+    # written its files appear before they are listed (a follower may look in between).
     try:
-        held = covered_files(root, Manifest.from_dict(attrs[MANIFEST_KEY]))
+        held = covered_files(root, Manifest.from_dict(attrs[MANIFEST_KEY])) if doc.get("finalized") else []
     except CacheFormatError as e:
         return [*bad, ("zarr.json", str(e))]
-    if not doc.get("finalized"):
-        held = [f for f in held if f.startswith(CREATION_FILES)]
     for rel in held:
         if rel not in files and (not only or rel.startswith(only)):
             bad.append((rel, f"not covered by {CHECKSUMS_FILE}"))

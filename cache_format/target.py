@@ -28,7 +28,15 @@ from cache_format.errors import brief
 from cache_format.schema import TargetInfo
 
 __all__ = ["LoadedTarget", "capture", "choose_mask_token", "decoder_parts", "load_target", "mask_token_of",
-           "packaged_gguf", "save_hf_dir", "target_sha256", "tokenizer_sha256"]
+           "eos_ids", "packaged_gguf", "save_hf_dir", "target_sha256", "tokenizer_sha256"]
+
+
+def eos_ids(tok, model) -> list[int]:
+    """Ids that end a reply: the tokenizer's eos and the generation config's (both stages' one rule:
+    regeneration stops its answers there, evaluation its decodes)."""
+    ge = getattr(model.generation_config, "eos_token_id", None)
+    ids = {tok.eos_token_id, *([ge] if isinstance(ge, int) else ge or [])}
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
 
 
 def packaged_gguf() -> str:

@@ -38,12 +38,13 @@ import torch
 from cache_format.cli import config_command
 from cache_format.layout import atomic_write_bytes
 from cache_format.lock import StoreLock
+from cache_format.target import eos_ids
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 from extract.sampling import request_key
 from extract.turns import TurnLog, history, segments, turn_key
 
-__all__ = ["RegenConfig", "RegenSummary", "chat_ids", "eos_ids", "hf_tokens", "pre_query_text", "regenerate"]
+__all__ = ["RegenConfig", "RegenSummary", "chat_ids", "hf_tokens", "pre_query_text", "regenerate"]
 
 
 @dataclass(frozen=True)
@@ -209,13 +210,6 @@ def chat_ids(tok, conv: list[dict], template_kwargs: dict | None = None) -> list
     template_kwargs go to the template (e.g. {"enable_thinking": False}: the mode that is served)."""
     ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def eos_ids(tok, model) -> list[int]:
-    """Ids that end a reply: the tokenizer's eos and the generation config's."""
-    ge = getattr(model.generation_config, "eos_token_id", None)
-    ids = {tok.eos_token_id, *([ge] if isinstance(ge, int) else ge or [])}
-    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
 
 
 def _static_results(cfg, model, tok, todo, eos, batch) -> Iterator[tuple[tuple[int, int], str, int, int]]:

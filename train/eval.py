@@ -112,7 +112,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
     with both, the export's figures sit under "export" beside the checkpoint's. teacher_forced:
     also the acceptance at every anchor of the greedy output (see train.acceptance)."""
-    from cache_format.target import load_target
+    from cache_format.target import eos_ids, load_target
 
     if not run and not export:
         raise ValueError("give --run (a training run), --export (an exported directory) or both")
@@ -124,7 +124,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     model, tok = tgt.model, tgt.tokenizer
     for name, d in drafters.items():  # the export keeps its bf16 weights, as served
         d.to(device=device, dtype=model.dtype if name == "checkpoint" else torch.bfloat16).eval()
-    eos = sorted(t for t in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int) and t >= 0)
+    eos = eos_ids(tok, model)  # the tokenizer's and the generation config's, as regeneration stops
 
     rows: dict[str, list] = {name: [] for name in drafters}
     hist = {name: Counter() for name in drafters}

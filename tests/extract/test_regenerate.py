@@ -115,7 +115,8 @@ def test_every_turn_equals_hf_generate_after_the_regenerated_history(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from extract.regenerate import chat_ids, eos_ids
+    from cache_format.target import eos_ids
+    from extract.regenerate import chat_ids
     from extract.turns import history, segments
 
     target = tiny_target_dir(tmp_path / "t", "llama")
