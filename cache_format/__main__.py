@@ -73,6 +73,9 @@ def verify(store: str, as_json: bool) -> None:
         if res["duplicate_sample_ids"]:
             click.echo(f"duplicate sample ids: {res['duplicate_sample_ids'][:20]}")
         click.echo(f"{'OK' if res['ok'] else 'FAILED'}: {res['num_samples']} samples, {res['num_shards']} shards checked")
+        if not res.get("finalized", True):
+            click.echo("NOT FINALIZED: stage one is still writing or was stopped; the committed samples were "
+                       "checked, and training needs --follow or a rerun of the extraction to finish it")
     sys.exit(0 if res["ok"] else 1)
 
 

@@ -106,6 +106,7 @@ def verify_store(path: str | os.PathLike) -> dict[str, Any]:
     dups = ids[counts > 1].tolist()
     return {
         "ok": not bad and not dups and not bad_files,
+        "finalized": bool(r.finalized),
         "bad_files": bad_files,
         "num_samples": int(len(idx)),
         "num_shards": sum(len(g) for g in idx.shards.values()),

@@ -91,5 +91,16 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], d
     path = Path(path)
     if not (path / "state.json").is_file():
         raise ValueError(f"{path}: not a checkpoint (no state.json)")
-    opt = torch.load(path / "optimizer.pt", weights_only=False) if (path / "optimizer.pt").exists() else {}
-    return load_file(str(path / "model.safetensors")), opt, json.loads((path / "state.json").read_text())
+    part = "state.json"
+    try:  # a truncated or damaged file is one line naming it, not a traceback from torch or safetensors
+        state = json.loads((path / part).read_text())
+        part = "optimizer.pt"
+        opt = torch.load(path / part, weights_only=False) if (path / part).exists() else {}
+        part = "model.safetensors"
+        weights = load_file(str(path / part))
+    except Exception as e:  # noqa: BLE001 - pickle, safetensors and json each raise their own types
+        raise ValueError(f"{path / part}: damaged or truncated ({type(e).__name__}); resume from an earlier "
+                         f"checkpoint: --resume takes the newest, so move this one aside") from None
+    if not isinstance(state, dict) or not isinstance(opt, dict):
+        raise ValueError(f"{path}: damaged checkpoint (state.json or optimizer.pt is not what a checkpoint holds)")
+    return weights, opt, state

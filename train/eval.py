@@ -96,8 +96,20 @@ def _drafters(run: str, checkpoint: str, export: str) -> tuple[dict[str, Any], d
 
         if not (Path(export) / "modeling_dflash.py").is_file():
             raise ValueError(f"{export}: not a draftcache export (no modeling_dflash.py)")
-        # exactly as a user loads it: the export's own modeling file, its bf16 weights
-        out["export"] = AutoModel.from_pretrained(export, trust_remote_code=True, dtype=torch.bfloat16)
+        # exactly as a user loads it: the export's own modeling file, its bf16 weights; checked against
+        # its config first (a layer the weights lack would decode from its random init, "lossless")
+        try:
+            model, info = AutoModel.from_pretrained(export, trust_remote_code=True, dtype=torch.bfloat16,
+                                                    output_loading_info=True)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a damaged directory
+            raise ValueError(f"{export}: cannot be loaded as an export ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        wrong = [*info.get("missing_keys", []), *[k[0] if isinstance(k, tuple) else k
+                                                 for k in info.get("mismatched_keys", [])]]
+        if wrong:
+            raise ValueError(f"{export}: model.safetensors does not hold what config.json describes "
+                             f"({len(wrong)} tensors missing or of another shape, e.g. {sorted(wrong)[0]})")
+        out["export"] = model
     for name, d in out.items():  # a diverged run's weights would decode "lossless" at τ 1
         bad = [k for k, v in d.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
         if bad:

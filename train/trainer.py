@@ -164,7 +164,7 @@ class Trainer:
         self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": self.layer_ids,
                        "mask_token": m.mask_token if self.dc.mask_token_id == m.mask_token_id else "",
                        "store": str(cfg.store), "store_identity": m.identity(), "target": m.target.name,
-                       "target_sha256": m.target.sha256,
+                       "target_sha256": m.target.sha256, "total_steps": self.total,
                        "num_target_layers": m.target.num_layers,
                        "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
@@ -333,6 +333,10 @@ class Trainer:
         if cfg.resume and ck is not None:
             weights, opt_state, saved = load_checkpoint(ck)
             _check_resume(cfg, saved, self.reader.manifest.identity())
+            if not cfg.follow and saved.get("total_steps") != self.total:  # follow mode's total is an estimate
+                raise ValueError(f"cannot resume {cfg.out}: its learning-rate schedule spans {saved.get('total_steps')} "
+                                 f"steps, these options make it {self.total} (--max-steps or --epochs changed); resume "
+                                 "with the same, or go on in a new run with --init-from an export of this one")
             try:  # strict: a checkpoint missing a tensor would leave it at its random init
                 self.model.load_state_dict(weights, strict=True)
             except RuntimeError as e:

@@ -144,3 +144,16 @@ def test_a_damaged_tokenizer_is_one_line_in_show(store):
     (store / "tokenizer" / "tokenizer_config.json").write_text("{not json")
     line = _one_line_refusal(["show", str(store), "0"])
     assert "tokenizer" in line
+
+
+def test_verify_says_when_a_store_is_not_finalized(tmp_path):
+    from click.testing import CliRunner
+
+    from cache_format.__main__ import cli as main
+    from tests.helpers import make_manifest, write_store
+
+    write_store(tmp_path / "s.zarr", range(6), make_manifest(), finalize=False)
+    out = CliRunner().invoke(main, ["verify", str(tmp_path / "s.zarr")])
+    assert out.exit_code == 0 and "NOT FINALIZED" in out.output
+    write_store(tmp_path / "f.zarr", range(6), make_manifest())
+    assert "NOT FINALIZED" not in CliRunner().invoke(main, ["verify", str(tmp_path / "f.zarr")]).output

@@ -348,6 +348,19 @@ def test_eval_reports_the_export_beside_the_checkpoint(trained, tmp_path):
     assert "6/6" in alone.stderr and "tau=" in alone.stderr  # the progress bar: prompts done, τ so far
 
 
+def test_an_export_that_does_not_match_its_config_is_refused(trained, tmp_path):
+    _, prompts, run = trained
+    out = export_run(run, str(tmp_path / "exp"))
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1,
+                                                 "layer_types": ["full_attention"] * (cfg["num_hidden_layers"] + 1)}))
+    res = CliRunner().invoke(eval_main, ["--export", str(out), "--prompts", prompts, "--limit", "1"])
+    assert res.exit_code == 2 and "does not hold what config.json describes" in res.output, res.output[-2000:]
+    (out / "config.json").write_text("{not json")
+    res = CliRunner().invoke(eval_main, ["--export", str(out), "--prompts", prompts, "--limit", "1"])
+    assert res.exit_code == 2 and "cannot be loaded as an export" in res.output and "Traceback" not in res.output
+
+
 def test_an_export_finds_its_target_by_sha256_or_names_it(tmp_path):
     from cache_format.target import packaged_gguf, target_sha256
     from train.eval import _export_target

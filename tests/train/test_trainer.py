@@ -127,7 +127,7 @@ def test_a_checkpoint_missing_a_tensor_is_refused_on_resume(store, tmp_path):
     w.pop(sorted(w)[0])
     save_file(w, str(ck / "model.safetensors"))
     with pytest.raises(ValueError, match="do not fit this drafter"):
-        train(_cfg(store, out, max_steps=20, checkpoint_every=10, resume=True))
+        train(_cfg(store, out, max_steps=10, checkpoint_every=10, resume=True))
 
 
 def test_resume_refuses_another_store_at_the_same_path(store, tmp_path):
@@ -140,7 +140,7 @@ def test_resume_refuses_another_store_at_the_same_path(store, tmp_path):
     from cache_format.layout import MANIFEST_KEY, read_root_attrs, update_root_attrs
     from cache_format.schema import Manifest
 
-    train(_cfg(store, out, max_steps=15, checkpoint_every=5, resume=True))
+    train(_cfg(store, out, max_steps=10, checkpoint_every=5, resume=True))
     # ... a store replaced at the path by another dataset does not
     m = Manifest.from_dict(read_root_attrs(moved)[MANIFEST_KEY])
     other = dataclasses.replace(m, dataset=dataclasses.replace(m.dataset, sha256="f" * 64))
@@ -149,7 +149,20 @@ def test_resume_refuses_another_store_at_the_same_path(store, tmp_path):
 
     record_checksums(moved, other, finalized=True)  # a sound store in its own right, of another dataset
     with pytest.raises(ValueError, match="not the store it was trained on"):
-        train(_cfg(str(moved), out, max_steps=20, checkpoint_every=5, resume=True, verify_shards="off"))
+        train(_cfg(str(moved), out, max_steps=10, checkpoint_every=5, resume=True, verify_shards="off"))
+
+
+def test_resume_refuses_a_changed_schedule_and_a_damaged_checkpoint_in_one_line(store, tmp_path):
+    out = tmp_path / "s"
+    train(_cfg(store, out, max_steps=10, checkpoint_every=5))
+    with pytest.raises(ValueError, match="schedule spans 10 steps, these options make it 20"):
+        train(_cfg(store, out, max_steps=20, checkpoint_every=5, resume=True))
+    ck = latest_checkpoint(out)
+    data = (ck / "optimizer.pt").read_bytes()
+    (ck / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"optimizer.pt: damaged or truncated") as e:
+        train(_cfg(store, out, max_steps=10, checkpoint_every=5, resume=True))
+    assert "\n" not in str(e.value)
 
 
 def test_a_second_run_into_the_same_out_is_refused(store, tmp_path):
