@@ -52,8 +52,9 @@ class _Seq(click.ParamType):
             self.fail(f"expected {self.item.__name__} values separated by {self.sep!r}, got {value!r}", param, ctx)
 
 
-def load_config_file(path: str, fields: list[str]) -> dict[str, Any]:
-    """{field: value} of a TOML or YAML file; ValueError in one line naming the file on bad input."""
+def load_config_file(path: str, fields: list[str], types: dict[str, Any] | None = None) -> dict[str, Any]:
+    """{field: value} of a TOML or YAML file; ValueError in one line naming the file on bad input
+    (with `types`, the fields' annotations: a value of another type, such as 1 for a bool, too)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -80,8 +81,26 @@ def load_config_file(path: str, fields: list[str]) -> dict[str, Any]:
         name = str(key).replace("-", "_")
         if name not in fields:
             raise ValueError(f"{path}: unknown key {key!r} (the keys are the options without '--': {', '.join(fields)})")
+        if types and name in types and not _fits(value, types[name]):
+            want = getattr(types[name], "__name__", str(types[name]))
+            raise ValueError(f"{path}: {key} = {value!r} is a {type(value).__name__}; {key} takes a {want}")
         out[name] = value
     return out
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a config file's value has the field's type (bool is not an int here, an int is a float)."""
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) is tuple:
+        return isinstance(value, (list, tuple))
+    return True
 
 
 def to_toml(values: dict[str, Any]) -> str:
@@ -120,7 +139,7 @@ def config_command(cls: type, *, seps: dict[str, str] | None = None, extra: tupl
         if not value:
             return
         try:
-            values = load_config_file(value, names)
+            values = load_config_file(value, names, hints)
         except ValueError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 import tomllib
 from pathlib import Path
 
@@ -93,4 +95,18 @@ def test_the_presets_load_into_their_configs():
     assert {f.parent.name for f in files} >= {"smollm2-demo", "smollm2-h200", "qwen3-8b-8gpu", "two-gpu-follow"}
     for f in files:
         cls = kinds[f.name]
-        cls(**load_config_file(str(f), list(cls.__dataclass_fields__)))  # valid values, known keys
+        hints = typing.get_type_hints(cls)
+        cls(**load_config_file(str(f), list(cls.__dataclass_fields__), hints))  # valid values, types, known keys
+
+
+def test_a_config_file_value_of_another_type_is_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    for line, why in (("compile = 1", "compile = 1 is a int; compile takes a bool"),
+                      ("num_layers = 2.5", "num_layers = 2.5 is a float; num_layers takes a int"),
+                      ("lr = true", "lr = True is a bool; lr takes a float"),
+                      ('epochs = "3"', "epochs = '3' is a str; epochs takes a int")):
+        f = tmp_path / "c.toml"
+        f.write_text('store = "s"\nout = "r"\n' + line + "\n")
+        out = CliRunner().invoke(train_main, ["--config", str(f)])
+        assert out.exit_code == 2 and why in out.output and "Traceback" not in out.output, out.output
