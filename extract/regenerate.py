@@ -42,7 +42,7 @@ from cache_format.target import eos_ids
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 from extract.sampling import request_key
-from extract.turns import TurnLog, history, segments, turn_key
+from extract.turns import TurnLog, conversation_key, history, segments, turn_key
 
 __all__ = ["RegenConfig", "RegenSummary", "chat_ids", "hf_tokens", "pre_query_text", "regenerate"]
 
@@ -90,9 +90,14 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
         convs = [msgs for _, msgs in read_conversations(cfg.prompts, skip_bad=False, require_assistant=False)]
         num_samples = cfg.num_samples
     convs = convs[: cfg.limit] if cfg.limit else convs
+    if not cfg.invent and not any(m["role"] == "user" for c in convs for m in c):
+        raise ValueError(f"{cfg.prompts}: no conversation with a user message to answer")
     segs = [segments(c, cfg.turns) for c in convs]  # per conversation, the messages of each turn
+    keys = [conversation_key([m for s in c for m in s]) for c in segs]
     out = Path(cfg.out)
-    done = _done_pairs(out)
+    # a resume knows a conversation by what it asks, not by its line: a reordered or grown prompt
+    # file answers each conversation once (invented prompts have no content yet: by index)
+    done = _done_pairs(out, None if cfg.invent else keys, num_samples)
     out.parent.mkdir(parents=True, exist_ok=True)
     kwargs = cfg.template_kwargs
     if cfg.engine == "openai":
@@ -179,7 +184,7 @@ def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], done: set
     plan picks them (HF generate: every pair not done of its batches). `generate(reqs, turn)` takes
     [(job, messages, key)] and yields (job, text or None, new tokens, attempts).
     """
-    log = TurnLog(out)
+    log = TurnLog(out, [conversation_key([m for s in c for m in s]) for c in segs])
     if first is None:
         first = [(i, k) for i in range(len(segs)) for k in range(cfg.num_samples) if (i, k) not in done]
     started = [j for j in first if segs[j[0]]]  # a conversation without a user message has nothing to answer
@@ -344,18 +349,24 @@ def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = Non
     return RegenSummary(written, failed, retried, tokens, s)
 
 
-def _done_pairs(out: Path) -> set[tuple[int, int]]:
-    done: set[tuple[int, int]] = set()
+def _done_pairs(out: Path, keys: list[str] | None, num_samples: int) -> set[tuple[int, int]]:
+    """(prompt index, sample) pairs already in `out`: matched by the conversation's content key
+    (what a record asks: its messages but the answers) when `keys` are given, else by index."""
+    done: set[tuple] = set()
     if out.exists():
         _drop_torn_tail(out)
         with open(out, encoding="utf-8") as f:
             for line in f:
                 try:
                     r = json.loads(line)
-                    done.add((r["prompt_index"], r["sample"]))
+                    asked = [m for m in r["messages"] if m["role"] != "assistant"]
+                    done.add((conversation_key(asked), r["sample"]) if keys is not None else
+                             (r["prompt_index"], r["sample"]))
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue  # not ours: regenerated below
-    return done
+    if keys is None:
+        return done
+    return {(i, k) for i, key in enumerate(keys) for k in range(num_samples) if (key, k) in done}
 
 
 def _tokenizer_only(target: str):

@@ -15,6 +15,7 @@ turn; a finished conversation is one record of OUT, as a one-turn conversation a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 from cache_format.logs import read_commit_log
 from extract.sampling import request_key
 
-__all__ = ["TurnLog", "history", "segments", "turn_key"]
+__all__ = ["TurnLog", "conversation_key", "history", "segments", "turn_key"]
 
 TURNS = ("all", "first")
 
@@ -51,22 +52,34 @@ def history(segs: list[list[dict]], answers: list[str]) -> list[dict]:
     return out + segs[len(answers)]
 
 
+def conversation_key(asked: list[dict]) -> str:
+    """A conversation's identity by content: what it asks (its messages but the assistant's), so a
+    resume matches it wherever it sits in a reordered prompt file."""
+    blob = json.dumps([[m["role"], m["content"]] for m in asked if m["role"] != "assistant"], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
 def turn_key(seed: int, prompt_index: int, sample: int, turn: int) -> int:
     """The sampling key of a turn: turn 0's is request_key's (one-turn data draws what it always did)."""
     return request_key(seed if turn == 0 else seed * 1_000_003 + turn, prompt_index, sample)
 
 
 class TurnLog:
-    """OUT.turns.jsonl: the answers of conversations not yet finished, by (prompt, sample)."""
+    """OUT.turns.jsonl: the answers of conversations not yet finished, by (prompt, sample); a line
+    names its conversation by content (conversation_key), so a reordered prompt file resumes too."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, keys: list[str]) -> None:
         self.path = Path(str(out) + ".turns.jsonl")
-        self.answers: dict[tuple[int, int], list[str]] = {}
+        self.keys = keys  # the content key of each prompt index
+        self._index = {}
+        for i, key in enumerate(keys):
+            self._index.setdefault(key, i)
+        self._answers: dict[tuple[str, int], list[str]] = {}
         # complete lines only; a torn last line (a killed run) is cut off and its turn generated again
         entries, _ = read_commit_log(self.path, repair=True)
         for r in entries:
             try:
-                got = self.answers.setdefault((r["prompt_index"], r["sample"]), [])
+                got = self._answers.setdefault((r["key"], r["sample"]), [])
                 if r["turn"] == len(got):  # in order; a duplicate or a gap is not ours
                     got.append(r["content"])
             except (KeyError, TypeError):
@@ -74,16 +87,21 @@ class TurnLog:
                                  "unfinished conversations over") from None
         self._f = None
 
+    @property
+    def answers(self) -> dict[tuple[int, int], list[str]]:
+        """The answers so far of the conversations of this prompt file, by (prompt index, sample)."""
+        return {(self._index[key], k): a for (key, k), a in self._answers.items() if key in self._index}
+
     def of(self, job: tuple[int, int]) -> list[str]:
-        return self.answers.get(job, [])
+        return self._answers.get((self.keys[job[0]], job[1]), [])
 
     def add(self, job: tuple[int, int], text: str) -> None:
         turn = len(self.of(job))
         if self._f is None:
             self._f = open(self.path, "a", encoding="utf-8")
-        self._f.write(json.dumps({"prompt_index": job[0], "sample": job[1], "turn": turn, "content": text},
-                                 ensure_ascii=False) + "\n")
-        self.answers.setdefault(job, []).append(text)
+        self._f.write(json.dumps({"key": self.keys[job[0]], "prompt_index": job[0], "sample": job[1], "turn": turn,
+                                  "content": text}, ensure_ascii=False) + "\n")
+        self._answers.setdefault((self.keys[job[0]], job[1]), []).append(text)
 
     def sync(self) -> None:
         if self._f is not None:

@@ -153,7 +153,10 @@ def test_multi_turn_resume_goes_on_from_each_conversations_next_turn(tmp_path):
     keep = sorted(one)[:3]
     cut.write_text("".join(json.dumps({"messages": one[j], "prompt_index": j[0], "sample": j[1]}) + "\n" for j in keep))
     half = sorted(one)[3:5]
-    log = [json.dumps({"prompt_index": j[0], "sample": j[1], "turn": 0, "content": one[j][1]["content"]}) for j in half]
+    from extract.turns import conversation_key
+
+    key = {j: conversation_key([m for m in one[j] if m["role"] != "assistant"]) for j in half}
+    log = [json.dumps({"key": key[j], "sample": j[1], "turn": 0, "content": one[j][1]["content"]}) for j in half]
     (tmp_path / "cut.jsonl.turns.jsonl").write_text(log[0] + "\n" + log[1][:9])
     assert regenerate(out=str(cut), **kw).written == 7
     got = {(r["prompt_index"], r["sample"]): r["messages"] for r in map(json.loads, open(cut))}
@@ -217,3 +220,24 @@ def test_prompts_longer_than_the_context_are_refused_at_once_and_counted(tmp_pat
         res = regenerate(out=str(tmp_path / f"{engine}.jsonl"), target=target, prompts=str(prompts), max_new_tokens=4,
                          engine=engine)
         assert (res.written, res.too_long, res.failed) == (1, 1, 0), engine
+
+
+def test_a_reordered_prompt_file_resumes_by_content_not_line(tmp_path):
+    # the first run answered 3 of 6 prompts; the file is then reversed and grown: the rerun answers
+    # exactly the prompts not yet answered, each once
+    target = tiny_target_dir(tmp_path / "t", "llama")
+    lines = open(write_chats(tmp_path / "p.jsonl", 6, turns=2)).read().splitlines()
+    (tmp_path / "first.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    kw = dict(target=target, max_new_tokens=4, batch_size=4)
+    out = str(tmp_path / "o.jsonl")
+    assert regenerate(out=out, prompts=str(tmp_path / "first.jsonl"), **kw).written == 3
+    (tmp_path / "all.jsonl").write_text("\n".join(reversed(lines)) + "\n")
+    assert regenerate(out=out, prompts=str(tmp_path / "all.jsonl"), **kw).written == 3
+    asked = [tuple(m["content"] for m in json.loads(x)["messages"] if m["role"] == "user") for x in open(out)]
+    assert len(asked) == 6 and len(set(asked)) == 6
+
+
+def test_an_empty_prompt_file_is_an_error_not_zero_written(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no conversation with a user message"):
+        regenerate(out=str(tmp_path / "o.jsonl"), prompts=str(tmp_path / "empty.jsonl"), target="unused")
