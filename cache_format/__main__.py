@@ -148,7 +148,10 @@ def plot(store: str, out: str) -> None:
     ax.set_title(f"{Path(store).name}: {len(r)} samples, {int(lengths.sum()):,} tokens")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:  # a missing or read-only directory
+        _fail(CacheFormatError(f"{out}: cannot write the plot ({e.strerror or e})"))
     click.echo(f"wrote {out}")
 
 

@@ -12,6 +12,7 @@ import bisect
 import dataclasses
 import hashlib
 import json
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,31 @@ COMPRESSIONS = ("none", "blosc-zstd1")
 LAYER_CONVENTION = "output of decoder layer i = HF hidden_states[i+1]"
 
 
+def check_field_types(obj: Any) -> None:
+    """TypeError naming the first field whose value is not of its annotated type (a damaged or
+    hand-edited manifest: "hidden_size": "576" would otherwise fail later, deep in a reader)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint, value = hints[f.name], getattr(obj, f.name)
+        origin = typing.get_origin(hint)
+        if hint is bool:
+            ok = isinstance(value, bool)
+        elif hint is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif hint is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif hint is str:
+            ok = isinstance(value, str)
+        elif origin is tuple:
+            ok = isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        elif origin is dict or hint is dict:
+            ok = isinstance(value, dict)
+        else:
+            continue
+        if not ok:
+            raise TypeError(f"{type(obj).__name__}.{f.name} = {value!r} is a {type(value).__name__}, not {hint}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TargetInfo:
     """Identity and shape of the target model whose hidden states are stored."""
@@ -62,6 +88,7 @@ class TargetInfo:
     """The target's HF config as a dict: drafter dims (heads, rope, eps) default to it."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for key in ("num_layers", "hidden_size", "vocab_size"):
             if int(getattr(self, key)) <= 0:
                 raise ValueError(f"target {key} must be positive, got {getattr(self, key)}")
@@ -74,6 +101,9 @@ class DatasetInfo:
     path: str
     sha256: str
     num_records: int
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +148,7 @@ class Manifest:
     """Version of this layout; readers refuse versions they do not know."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.format_version != FORMAT_VERSION:
             raise UnknownFormatVersionError(
                 f"store format_version {self.format_version} is not supported "

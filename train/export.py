@@ -157,8 +157,9 @@ def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[st
         raise ValueError(f"--init-from {path}: not an exported drafter (config.json and model.safetensors)")
     try:
         theirs, weights, their_ids = load_export(path)
-    except (KeyError, TypeError, ValueError, OSError) as e:
-        raise ValueError(f"--init-from {path}: unreadable export ({type(e).__name__}: {e})") from None
+    except Exception as e:  # noqa: BLE001 - json, safetensors and the config raise their own types
+        raise ValueError(f"--init-from {path}: unreadable export ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
     diffs = [f"{k} {v} vs {getattr(dc, k)}" for k, v in theirs.to_dict().items() if v != getattr(dc, k)]
     if list(their_ids) != list(layer_ids):
         diffs.append(f"taps {list(their_ids)} vs {list(layer_ids)}")

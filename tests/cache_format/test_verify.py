@@ -157,3 +157,25 @@ def test_verify_says_when_a_store_is_not_finalized(tmp_path):
     assert out.exit_code == 0 and "NOT FINALIZED" in out.output
     write_store(tmp_path / "f.zarr", range(6), make_manifest())
     assert "NOT FINALIZED" not in CliRunner().invoke(main, ["verify", str(tmp_path / "f.zarr")]).output
+
+
+def test_a_manifest_field_of_another_type_and_a_plot_nowhere_are_one_line(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from cache_format.__main__ import cli as main
+    from tests.helpers import make_manifest, write_store
+
+    store = tmp_path / "s.zarr"
+    write_store(store, range(4), make_manifest())
+    out = CliRunner().invoke(main, ["plot", str(store), str(tmp_path / "no" / "such" / "dir" / "p.png")])
+    assert out.exit_code != 0 and "cannot write the plot" in out.output and "Traceback" not in out.output
+    doc = json.loads((store / "zarr.json").read_text())
+    doc["attributes"]["draftcache"]["target"]["hidden_size"] = "8"
+    (store / "zarr.json").write_text(json.dumps(doc))
+    for cmd in (["inspect", str(store)], ["show", str(store), "0"], ["verify", str(store)]):
+        out = CliRunner().invoke(main, cmd)
+        assert out.exit_code != 0 and "hidden_size = '8' is a str" in out.output, (cmd, out.output[-500:])
+        assert "Traceback" not in out.output, cmd
+        assert cmd[0] == "verify" or len(out.output.strip().splitlines()) == 1, cmd  # verify lists each problem

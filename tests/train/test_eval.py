@@ -252,6 +252,11 @@ def test_init_from_an_export_starts_where_the_exported_drafter_was(trained, tmp_
         train(TrainConfig(out=str(tmp_path / "other"), init_from=str(exp), **{**kw, "num_layers": 1}))
     with pytest.raises(ValueError, match="not an exported drafter"):
         train(TrainConfig(out=str(tmp_path / "none"), init_from=str(tmp_path), **kw))
+    data = (exp / "model.safetensors").read_bytes()
+    (exp / "model.safetensors").write_bytes(data[: len(data) // 3])  # truncated weights
+    with pytest.raises(ValueError, match="unreadable export") as e:
+        train(TrainConfig(out=str(tmp_path / "cut"), init_from=str(exp), **kw))
+    assert "\n" not in str(e.value)
 
 
 def test_tau_by_source_is_token_weighted():
