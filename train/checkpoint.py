@@ -28,11 +28,17 @@ def _steps(root: Path, prefix: str) -> list[int]:
 def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any], extra: dict[str, Any] | None) -> Path:
     final, tmp = root / name, root / f"{name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    if extra is not None:
-        torch.save(extra, tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    try:
+        tmp.mkdir(parents=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+                  str(tmp / "model.safetensors"))
+        if extra is not None:
+            torch.save(extra, tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    except Exception as e:  # noqa: BLE001 - a full disk reaches us as OSError or safetensors' own error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"{root / name}: the checkpoint could not be written ({' '.join(str(e).split())[:200]}); "
+                         "the earlier checkpoints are untouched") from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

@@ -72,7 +72,12 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
     tmp, old = dst.with_name(f".{dst.name}.partial"), dst.with_name(f".{dst.name}.old")
     for p in (tmp, old):  # left by an export killed midway
         shutil.rmtree(p, ignore_errors=True)
-    write_export(tmp, state, weights)
+    try:
+        write_export(tmp, state, weights)
+    except Exception as e:  # noqa: BLE001 - a full disk reaches us as OSError or safetensors' own error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"{out}: the export could not be written ({' '.join(str(e).split())[:200]}); "
+                         "the previous export, if any, is untouched") from None
     if dst.exists():
         dst.rename(old)
     tmp.rename(dst)

@@ -32,17 +32,17 @@ def test_rotation_keeps_the_newest_and_never_touches_best(tmp_path):
 
 def test_a_new_best_replaces_the_old_only_once_complete(tmp_path, monkeypatch):
     save_best(tmp_path, 10, model=_model(1.0), state={"step": 10, "val_sim_tau": 1.5})
-    # a crash while the next best is written leaves best-20.partial: the old best is still the answer
+    # a failure while the next best is written (a full disk): the old best is still the answer
     import train.checkpoint as ck
 
     def crash(*a, **k):
         raise OSError("disk full")
 
     monkeypatch.setattr(ck, "save_file", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="could not be written .disk full.; the earlier checkpoints are untouched"):
         save_best(tmp_path, 20, model=_model(2.0), state={"step": 20, "val_sim_tau": 1.7})
     monkeypatch.undo()
-    assert (tmp_path / "checkpoints" / "best-20.partial").exists()
+    assert not (tmp_path / "checkpoints" / "best-20.partial").exists()  # a failed write cleans up after itself
     assert best_checkpoint(tmp_path).name == "best-10"
     save_best(tmp_path, 30, model=_model(3.0), state={"step": 30, "val_sim_tau": 1.8})
     assert best_checkpoint(tmp_path).name == "best-30"

@@ -366,6 +366,42 @@ def test_an_export_that_does_not_match_its_config_is_refused(trained, tmp_path):
     assert res.exit_code == 2 and "cannot be loaded as an export" in res.output and "Traceback" not in res.output
 
 
+def test_a_full_disk_keeps_the_previous_export_and_checkpoint(trained, tmp_path):
+    # a file-size limit stands in for a full disk: the write fails midway, the old files stay whole
+    import resource
+    import subprocess
+    import sys
+
+    _, _, run = trained
+    good = export_run(run, str(tmp_path / "exp"))
+    before = (good / "model.safetensors").read_bytes()
+    limit = len(before) // 4
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "-m", "train.export", "--run", run, "--out", str(good), "--overwrite"],
+                       cwd=root, capture_output=True, text=True, preexec_fn=small_files, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert (good / "model.safetensors").read_bytes() == before and (good / "config.json").exists()
+    from train.checkpoint import save_checkpoint
+
+    weights, _, state = load_checkpoint(latest_checkpoint(run))
+    ck = tmp_path / "r"
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    save_checkpoint(ck, 1, model=model, optimizer=opt, scheduler=sched, state={"step": 1}, keep=3)
+    code = (f"import resource, torch; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+            f"from train.checkpoint import save_checkpoint; m = torch.nn.Linear(64, 64); o = torch.optim.AdamW(m.parameters()); "
+            f"s = torch.optim.lr_scheduler.LambdaLR(o, lambda x: 1.0); "
+            f"save_checkpoint({str(ck)!r}, 2, model=m, optimizer=o, scheduler=s, state={{'step': 2}}, keep=3)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert latest_checkpoint(ck).name == "step-1" and load_checkpoint(latest_checkpoint(ck))[2] == {"step": 1}
+
+
 def test_an_export_finds_its_target_by_sha256_or_names_it(tmp_path):
     from cache_format.target import packaged_gguf, target_sha256
     from train.eval import _export_target
