@@ -6,6 +6,7 @@ step is not the one to serve."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+CHECKSUMS = "checksums.json"  # sha256 of each file of a checkpoint, written last before the rename
 
 __all__ = ["best_checkpoint", "latest_checkpoint", "load_checkpoint", "resolve_checkpoint", "save_best",
            "save_checkpoint"]
@@ -35,6 +38,9 @@ def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
         if extra is not None:
             torch.save(extra, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
+        # a flipped byte in the weights would load as other weights: every file's sha256 beside them
+        sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1))
     except Exception as e:  # noqa: BLE001 - a full disk reaches us as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"{root / name}: the checkpoint could not be written ({' '.join(str(e).split())[:200]}); "
@@ -92,11 +98,36 @@ def resolve_checkpoint(run: str | os.PathLike, which: str = "") -> Path:
     return ck
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_files(path: Path) -> None:
+    """ValueError in one line if a file listed in the checkpoint's checksums.json is missing or changed
+    (a checkpoint put together by hand, without the list, is taken as it is)."""
+    listed = path / CHECKSUMS
+    if not listed.is_file():
+        return
+    try:
+        sums = json.loads(listed.read_text())
+    except ValueError:
+        raise ValueError(f"{listed}: damaged; name an earlier checkpoint with --resume-from") from None
+    for name, want in sorted(sums.items()):
+        if not (path / name).is_file() or _sha256(path / name) != want:
+            raise ValueError(f"{path / name}: {'missing' if not (path / name).is_file() else 'checksum mismatch'} "
+                             "(a damaged checkpoint); name an earlier one with --resume-from")
+
+
 def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(model state, optimizer+scheduler state, state.json) of a checkpoint directory."""
+    """(model state, optimizer+scheduler state, state.json) of a checkpoint directory, its files checked."""
     path = Path(path)
     if not (path / "state.json").is_file():
         raise ValueError(f"{path}: not a checkpoint (no state.json)")
+    check_files(path)
     part = "state.json"
     try:  # a truncated or damaged file is one line naming it, not a traceback from torch or safetensors
         state = json.loads((path / part).read_text())

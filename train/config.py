@@ -78,6 +78,9 @@ class TrainConfig:
     """step-N checkpoints kept (older ones are deleted; best-N is kept apart)."""
     resume: bool = False
     """Continue from the newest checkpoint in out/checkpoints."""
+    resume_from: str = ""
+    """With --resume: continue from this checkpoint directory instead of the newest step-N (an earlier
+    good one, when the newest is damaged); the later step-N of the run are set aside (step-N.superseded)."""
     init_from: str = ""
     """An exported drafter (train.export's directory) whose weights start this run, with a fresh
     optimizer and schedule: to go on training it on new data or on another machine. Its shape, taps
@@ -139,6 +142,8 @@ class TrainConfig:
                              f"clip {self.clip}, warmup {self.warmup}")
         if not 0 <= self.follow_timeout < float("inf"):
             raise ValueError(f"follow_timeout must be a finite number >= 0, got {self.follow_timeout}")
+        if self.resume_from and not self.resume:
+            raise ValueError("resume_from names the checkpoint a --resume continues from: pass --resume too")
         if self.keep_checkpoints < 1 or self.checkpoint_every < 0 or self.workers < 0:
             raise ValueError(f"keep_checkpoints must be >= 1 (0 or less would keep no checkpoint), checkpoint_every "
                              f"and workers >= 0, got {self.keep_checkpoints}, {self.checkpoint_every}, {self.workers}")
@@ -187,7 +192,7 @@ class TrainConfig:
 
 # Fields that may change on --resume without changing what is trained (the store is checked by its
 # content's identity instead of its path: a store moved elsewhere resumes, another at the same path does not).
-RESUME_FREE = ("store", "resume", "follow_timeout", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
+RESUME_FREE = ("store", "resume", "resume_from", "follow_timeout", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
                "patience",
                "loss_chunk", "loss_backward", "grad_reduce",

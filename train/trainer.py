@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -330,6 +331,8 @@ class Trainer:
             # else an earlier run's step-N (newer) or best-N would be what eval and export pick
             raise ValueError(f"{cfg.out} holds checkpoints of an earlier run: pass --resume to continue it, "
                              "or another --out")
+        if cfg.resume and cfg.resume_from:
+            ck = self._set_aside_after(Path(cfg.resume_from))
         if cfg.resume and ck is not None:
             weights, opt_state, saved = load_checkpoint(ck)
             _check_resume(cfg, saved, self.reader.manifest.identity())
@@ -353,6 +356,18 @@ class Trainer:
                                  f"or unknown {sorted(unexpected)[:3]}")
         if self.rank == 0:
             trim_metrics(cfg.out, self.step)  # rows a killed run logged after its last checkpoint are redone
+
+    def _set_aside_after(self, ck: Path) -> Path:
+        """--resume-from: check the named checkpoint, then rename the run's later step-N (they would be
+        taken as the newest by the next resume) to step-N.superseded."""
+        saved = load_checkpoint(ck)[2]
+        root = Path(self.cfg.out) / "checkpoints"
+        if self.rank == 0:
+            for later in [p for p in root.glob("step-*") if p.name[5:].isdigit() and int(p.name[5:]) > saved["step"]]:
+                os.replace(later, later.with_name(later.name + ".superseded"))
+        if self.world > 1:
+            dist.barrier()
+        return ck
 
     # ------------------------------------------------------------------ the loop
     def _start_next_epoch_early(self, epoch: int, s_idx: int, first: int, n_steps: int) -> bool:

@@ -126,6 +126,7 @@ def test_a_checkpoint_missing_a_tensor_is_refused_on_resume(store, tmp_path):
     w = load_file(str(ck / "model.safetensors"))
     w.pop(sorted(w)[0])
     save_file(w, str(ck / "model.safetensors"))
+    (ck / "checksums.json").unlink()  # as a checkpoint put together by hand: the strict load is the check
     with pytest.raises(ValueError, match="do not fit this drafter"):
         train(_cfg(store, out, max_steps=10, checkpoint_every=10, resume=True))
 
@@ -160,9 +161,32 @@ def test_resume_refuses_a_changed_schedule_and_a_damaged_checkpoint_in_one_line(
     ck = latest_checkpoint(out)
     data = (ck / "optimizer.pt").read_bytes()
     (ck / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"optimizer.pt: checksum mismatch"):
+        train(_cfg(store, out, max_steps=10, checkpoint_every=5, resume=True))
+    (ck / "checksums.json").unlink()  # without the list, the load itself names the truncated file
     with pytest.raises(ValueError, match=r"optimizer.pt: damaged or truncated") as e:
         train(_cfg(store, out, max_steps=10, checkpoint_every=5, resume=True))
     assert "\n" not in str(e.value)
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_refused_and_an_earlier_one_can_be_named(store, tmp_path):
+    kw = dict(max_steps=10, checkpoint_every=5, keep_checkpoints=10)
+    train(_cfg(store, tmp_path / "a", **kw))
+    out = tmp_path / "b"
+    train(_cfg(store, out, **kw))
+    w = out / "checkpoints" / "step-10" / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-3] ^= 0x01  # inside the last tensor's data: the file still parses
+    w.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"step-10/model.safetensors: checksum mismatch .*--resume-from"):
+        train(_cfg(store, out, resume=True, **kw))
+    train(_cfg(store, out, resume=True, resume_from=str(out / "checkpoints" / "step-5"), **kw))
+    assert (out / "checkpoints" / "step-10.superseded").is_dir()  # set aside, not deleted
+    wa = load_checkpoint(latest_checkpoint(tmp_path / "a"))[0]
+    wb = load_checkpoint(latest_checkpoint(out))[0]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # redone from step 5: the uninterrupted run's weights
+    with pytest.raises(ValueError, match="pass --resume too"):
+        _cfg(store, out, resume_from=str(out / "checkpoints" / "step-5"))
 
 
 def test_a_second_run_into_the_same_out_is_refused(store, tmp_path):
