@@ -6,7 +6,6 @@ step is not the one to serve."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,6 +14,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from cache_format.checksums import sha256_file
 
 CHECKSUMS = "checksums.json"  # sha256 of each file of a checkpoint, written last before the rename
 
@@ -39,7 +40,7 @@ def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
             torch.save(extra, tmp / "optimizer.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=2))
         # a flipped byte in the weights would load as other weights: every file's sha256 beside them
-        sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1))
     except Exception as e:  # noqa: BLE001 - a full disk reaches us as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,14 +99,6 @@ def resolve_checkpoint(run: str | os.PathLike, which: str = "") -> Path:
     return ck
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def check_files(path: Path) -> None:
     """ValueError in one line if a file listed in the checkpoint's checksums.json is missing or changed
     (a checkpoint put together by hand, without the list, is taken as it is)."""
@@ -117,7 +110,7 @@ def check_files(path: Path) -> None:
     except ValueError:
         raise ValueError(f"{listed}: damaged; name an earlier checkpoint with --resume-from") from None
     for name, want in sorted(sums.items()):
-        if not (path / name).is_file() or _sha256(path / name) != want:
+        if not (path / name).is_file() or sha256_file(path / name) != want:
             raise ValueError(f"{path / name}: {'missing' if not (path / name).is_file() else 'checksum mismatch'} "
                              "(a damaged checkpoint); name an earlier one with --resume-from")
 
