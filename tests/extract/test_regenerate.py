@@ -213,7 +213,7 @@ def test_two_regenerations_into_one_output_are_refused(tmp_path):
 def test_prompts_longer_than_the_context_are_refused_at_once_and_counted(tmp_path):
     target = tiny_target_dir(tmp_path / "t", "llama")  # 512 positions
     prompts = tmp_path / "p.jsonl"
-    long = " ".join(["alpha"] * 2000)
+    long = " ".join(["alpha"] * 600)
     prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n" +
                        json.dumps({"messages": [{"role": "user", "content": long}]}) + "\n")
     for engine in ("static", "hf"):

@@ -48,8 +48,11 @@ def _random_batch(rng: random.Random, b: int, full: bool):
         a = torch.tensor(valid, dtype=torch.long)
         spans = anchor_spans(mask, a) if len(a) else a
         # an acceptance never runs past the span's end (labels stop there)
-        ends = {int(s): max(p for p in range(len(mask)) if mask[p] and anchor_spans(mask, torch.tensor([p]))[0] == s)
-                for s in spans.tolist()}
+        span_of = anchor_spans(mask, torch.arange(len(mask))).tolist()
+        ends = {}
+        for p in range(len(mask)):
+            if mask[p]:
+                ends[span_of[p]] = p
         acc = [min(rng.randint(0, 7), ends[int(s)] - int(p)) for p, s in zip(a.tolist(), spans.tolist())]
         rows.append((a, spans, torch.tensor(acc, dtype=torch.long), mask))
     n = max(1, max(len(r[0]) for r in rows))
