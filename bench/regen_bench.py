@@ -22,7 +22,7 @@ import torch
 
 def _prompts(tok, n: int) -> list[list[int]]:
     from cache_format.prompts import train_prompts
-    from extract.regenerate import chat_ids
+    from cache_format.target import chat_ids
 
     convs = train_prompts()
     return [chat_ids(tok, c) for c in (convs * (1 + n // len(convs)))[:n]]

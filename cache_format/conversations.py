@@ -1,4 +1,5 @@
-"""Conversations from JSONL: the record formats both stages accept.
+"""Conversations from JSONL: the record formats both stages accept, and their turns (the messages
+each assistant reply answers: regeneration answers them in order, evaluation measures the last).
 
 Accepted records, one per line:
     {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
@@ -11,7 +12,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["BadRecord", "read_conversations"]
+__all__ = ["BadRecord", "TURNS", "history", "read_conversations", "segments"]
+
+TURNS = ("all", "first")
 
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                    "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant"}
@@ -87,3 +90,27 @@ def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0, bad:
                     raise
                 if bad is not None:
                     bad.append(str(e))
+
+
+def segments(messages: list[dict], turns: str = "all") -> list[list[dict]]:
+    """The messages of each turn, assistant messages dropped: segment t ends with user message t
+    and holds what came before it since the previous user message (turns="first": the first only)."""
+    if turns not in TURNS:
+        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
+    out, cur = [], []
+    for m in messages:
+        if m["role"] == "assistant":
+            continue
+        cur.append(m)
+        if m["role"] == "user":
+            out.append(cur)
+            cur = []
+    return out[:1] if turns == "first" else out
+
+
+def history(segs: list[list[dict]], answers: list[str]) -> list[dict]:
+    """The messages turn len(answers) answers: every earlier segment followed by its answer, then its own."""
+    out: list[dict] = []
+    for seg, ans in zip(segs, answers):
+        out += seg + [{"role": "assistant", "content": ans}]
+    return out + segs[len(answers)]

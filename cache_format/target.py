@@ -28,7 +28,15 @@ from cache_format.errors import brief
 from cache_format.schema import TargetInfo
 
 __all__ = ["LoadedTarget", "capture", "choose_mask_token", "decoder_parts", "load_target", "mask_token_of",
-           "eos_ids", "packaged_gguf", "save_hf_dir", "target_sha256", "tokenizer_sha256"]
+           "chat_ids", "eos_ids", "packaged_gguf", "save_hf_dir", "target_sha256", "tokenizer_sha256"]
+
+
+def chat_ids(tok, conv: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation rendered for the assistant's reply (the chat template's prompt;
+    regeneration's requests and evaluation's decodes alike);
+    template_kwargs go to the template (e.g. {"enable_thinking": False}: the mode that is served)."""
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def eos_ids(tok, model) -> list[int]:

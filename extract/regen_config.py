@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from cache_format.conversations import TURNS
+
 __all__ = ["ENGINES", "RegenConfig", "parse_template_kwargs"]
 
 ENGINES = ("auto", "static", "hf", "openai")
@@ -81,7 +83,7 @@ class RegenConfig:
     def __post_init__(self) -> None:
         if not self.out:
             raise ValueError("--out is required")
-        if self.turns not in ("all", "first"):
+        if self.turns not in TURNS:
             raise ValueError(f"--turns must be all or first, got {self.turns!r}")
         _ = self.template_kwargs  # refuses text that is not a JSON object
         if self.engine not in ENGINES:

@@ -36,15 +36,16 @@ import click
 import torch
 
 from cache_format.cli import config_command
+from cache_format.conversations import history, segments
 from cache_format.layout import atomic_write_bytes
 from cache_format.lock import StoreLock
-from cache_format.target import eos_ids
+from cache_format.target import chat_ids, eos_ids
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 from extract.sampling import request_key
-from extract.turns import TurnLog, conversation_key, history, segments, turn_key
+from extract.turns import TurnLog, conversation_key, turn_key
 
-__all__ = ["RegenConfig", "RegenSummary", "chat_ids", "hf_tokens", "pre_query_text", "regenerate"]
+__all__ = ["RegenConfig", "RegenSummary", "hf_tokens", "pre_query_text", "regenerate"]
 
 
 @dataclass(frozen=True)
@@ -208,13 +209,6 @@ def _todo(cfg: RegenConfig, lengths: list[int], num_samples: int, done: set) -> 
     jobs = generation_jobs(lengths, num_samples)
     i, n = cfg.shard
     return [j for r, j in enumerate(jobs) if r % n == i and j not in done]
-
-
-def chat_ids(tok, conv: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a conversation rendered for the assistant's reply (the chat template's prompt);
-    template_kwargs go to the template (e.g. {"enable_thinking": False}: the mode that is served)."""
-    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _static_results(cfg, model, tok, todo, eos, batch) -> Iterator[tuple[tuple[int, int], str, int, int]]:

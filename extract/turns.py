@@ -10,7 +10,8 @@ user message has nothing to answer and is dropped.
 Turn t of every conversation is generated in one round, so a batch engine keeps its rows full.
 Until a conversation's last turn is done its answers so far are kept in OUT.turns.jsonl (one line
 per answered turn, fsync'd with the output), so a killed run resumes each conversation at its next
-turn; a finished conversation is one record of OUT, as a one-turn conversation always was.
+turn; a finished conversation is one record of OUT, as a one-turn conversation always was. The
+turns themselves (segments, history) are cache_format.conversations': evaluation walks them too.
 """
 
 from __future__ import annotations
@@ -23,34 +24,7 @@ from pathlib import Path
 from cache_format.logs import read_commit_log
 from extract.sampling import request_key
 
-__all__ = ["TurnLog", "conversation_key", "history", "segments", "turn_key"]
-
-TURNS = ("all", "first")
-
-
-def segments(messages: list[dict], turns: str = "all") -> list[list[dict]]:
-    """The messages of each turn, assistant messages dropped: segment t ends with user message t
-    and holds what came before it since the previous user message (turns="first": the first only)."""
-    if turns not in TURNS:
-        raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
-    out, cur = [], []
-    for m in messages:
-        if m["role"] == "assistant":
-            continue
-        cur.append(m)
-        if m["role"] == "user":
-            out.append(cur)
-            cur = []
-    return out[:1] if turns == "first" else out
-
-
-def history(segs: list[list[dict]], answers: list[str]) -> list[dict]:
-    """The messages turn len(answers) answers: every earlier segment followed by its answer, then its own."""
-    out: list[dict] = []
-    for seg, ans in zip(segs, answers):
-        out += seg + [{"role": "assistant", "content": ans}]
-    return out + segs[len(answers)]
-
+__all__ = ["TurnLog", "conversation_key", "turn_key"]
 
 def conversation_key(asked: list[dict]) -> str:
     """A conversation's identity by content: what it asks (its messages but the assistant's), so a

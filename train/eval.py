@@ -59,22 +59,15 @@ def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
 def _answer_earlier_turns(model, tok, msgs: list[dict], *, max_new_tokens: int, eos: set[int]) -> list[dict]:
     """The conversation as decoding meets its last user turn: assistant messages dropped, every earlier
     user turn answered by the target's own greedy reply (what a served chat would hold)."""
-    last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
-    out: list[dict] = []
-    for i, m in enumerate(msgs[: last + 1]):
-        if m["role"] == "assistant":
-            continue
-        out.append(m)
-        if m["role"] == "user" and i < last:
-            ids = _chat_ids(tok, out)
-            reply = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=eos).tokens
-            out.append({"role": "assistant", "content": tok.decode(reply, skip_special_tokens=True).strip()})
-    return out
+    from cache_format.conversations import history, segments
+    from cache_format.target import chat_ids
 
-
-def _chat_ids(tok, msgs: list[dict]) -> list[int]:
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    segs, answers = segments(msgs), []
+    for _ in segs[:-1]:
+        reply = target_generate(model, chat_ids(tok, history(segs, answers)), max_new_tokens=max_new_tokens,
+                                eos=eos).tokens
+        answers.append(tok.decode(reply, skip_special_tokens=True).strip())
+    return history(segs, answers)
 
 
 def _count_forwards(model):
@@ -124,7 +117,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
     with both, the export's figures sit under "export" beside the checkpoint's. teacher_forced:
     also the acceptance at every anchor of the greedy output (see train.acceptance)."""
-    from cache_format.target import eos_ids, load_target
+    from cache_format.target import chat_ids, eos_ids, load_target
 
     if not run and not export:
         raise ValueError("give --run (a training run), --export (an exported directory) or both")
@@ -149,7 +142,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     # prompts done, τ so far and the time left, on stderr (a CPU evaluation of 48 prompts takes an hour)
     bar = tqdm(todo, desc=f"eval on {device.type}", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     for name, msgs in bar:
-        ids = _chat_ids(tok, _answer_earlier_turns(model, tok, msgs, max_new_tokens=max_new_tokens, eos=set(eos)))
+        ids = chat_ids(tok, _answer_earlier_turns(model, tok, msgs, max_new_tokens=max_new_tokens, eos=set(eos)))
         base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=set(eos))
         base_s, base_fw = base_s + base.seconds, base_fw + base.target_forwards
         for which, drafter in drafters.items():

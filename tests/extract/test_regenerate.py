@@ -98,7 +98,7 @@ def test_default_data_is_keyed_by_what_decides_it(tmp_path):
 
 
 def test_segments_and_history_keep_system_messages_and_drop_assistant_turns():
-    from extract.turns import history, segments
+    from cache_format.conversations import history, segments
 
     conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"},
             {"role": "system", "content": "note"}, {"role": "user", "content": "U2"},
@@ -115,9 +115,8 @@ def test_every_turn_equals_hf_generate_after_the_regenerated_history(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cache_format.target import eos_ids
-    from extract.regenerate import chat_ids
-    from extract.turns import history, segments
+    from cache_format.conversations import history, segments
+    from cache_format.target import chat_ids, eos_ids
 
     target = tiny_target_dir(tmp_path / "t", "llama")
     prompts = write_chats(tmp_path / "p.jsonl", 4, turns=3)
@@ -166,8 +165,8 @@ def test_multi_turn_resume_goes_on_from_each_conversations_next_turn(tmp_path):
 def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(tmp_path):
     from transformers import AutoTokenizer
 
+    from cache_format.target import chat_ids
     from extract.regen_config import RegenConfig
-    from extract.regenerate import chat_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir(tmp_path / "t", "llama"))
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}LOUD{% endif %}"

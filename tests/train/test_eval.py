@@ -144,8 +144,8 @@ def test_multiturn_held_out_chats_are_measured_on_their_second_turn(trained):
 
 
 def test_earlier_turns_are_answered_by_the_target_before_the_last_is_measured(trained):
-    from cache_format.target import load_target
-    from train.eval import _answer_earlier_turns, _chat_ids
+    from cache_format.target import chat_ids, load_target
+    from train.eval import _answer_earlier_turns
     from train.spec_decode import target_generate
 
     target, _, _ = trained
@@ -153,7 +153,7 @@ def test_earlier_turns_are_answered_by_the_target_before_the_last_is_measured(tr
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "one"},
             {"role": "assistant", "content": "stale"}, {"role": "user", "content": "two"}]
     got = _answer_earlier_turns(t.model, t.tokenizer, msgs, max_new_tokens=5, eos=set())
-    reply = target_generate(t.model, _chat_ids(t.tokenizer, msgs[:2]), max_new_tokens=5, eos=set()).tokens
+    reply = target_generate(t.model, chat_ids(t.tokenizer, msgs[:2]), max_new_tokens=5, eos=set()).tokens
     assert [m["role"] for m in got] == ["system", "user", "assistant", "user"]
     assert got[2]["content"] == t.tokenizer.decode(reply, skip_special_tokens=True).strip() != "stale"
 
