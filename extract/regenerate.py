@@ -99,7 +99,6 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
     # a resume knows a conversation by what it asks, not by its line: a reordered or grown prompt
     # file answers each conversation once (invented prompts have no content yet: by index)
     done = _done_pairs(out, None if cfg.invent else keys, num_samples)
-    out.parent.mkdir(parents=True, exist_ok=True)
     kwargs = cfg.template_kwargs
     if cfg.engine == "openai":
         tok = _tokenizer_only(cfg.target) if cfg.invent else None
@@ -109,7 +108,7 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
                                                      _todo(cfg, [len(opening)] * cfg.invent, 1, done)])
             return _write(cfg, out, segs, results)
         first = _todo(cfg, [sum(len(m["content"]) for m in s[0]) if s else 0 for s in segs], num_samples, done)
-        return _rounds(cfg, out, segs, done, first, lambda reqs, turn: _openai_results(cfg, "", reqs))
+        return _rounds(cfg, out, segs, keys, done, first, lambda reqs, turn: _openai_results(cfg, "", reqs))
     from cache_format.target import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,11 +142,12 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
     # counted, not decoded past the positions the target was trained on
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     too_long: set[tuple[int, int]] = set()
+    first_ids = [ids_of(s[0]) if s else [] for s in segs]  # turn 0 of every conversation, tokenized once
 
-    def fitting(reqs) -> list[tuple[tuple[int, int], list[int], int]]:
+    def fitting(reqs, turn) -> list[tuple[tuple[int, int], list[int], int]]:
         out = []
         for job, msgs, key in reqs:
-            ids = ids_of(msgs)
+            ids = first_ids[job[0]] if turn == 0 else ids_of(msgs)
             if context and len(ids) >= context:
                 too_long.add(job)
             else:
@@ -155,37 +155,38 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
         return out
 
     if engine == "static":
-        first = _todo(cfg, [len(ids_of(s[0])) if s else 0 for s in segs], num_samples, done)
+        first = _todo(cfg, [len(ids) for ids in first_ids], num_samples, done)
 
         def generate(reqs, turn):
-            return _static_results(cfg, model, tok, fitting(reqs), eos, batch)
+            return _static_results(cfg, model, tok, fitting(reqs, turn), eos, batch)
     else:  # HF generate batches by its own plan: turn 0 as it always did, later turns as one flat list
         first = None
 
         def generate(reqs, turn):
-            fit = fitting(reqs)
+            fit = fitting(reqs, turn)
             if turn == 0:  # `reqs` are what the rounds still need of turn 0; HF's plan decides the batches
                 skip = {(i, k) for i in range(len(segs)) for k in range(num_samples)} - {job for job, _, _ in fit}
-                return _hf_results(cfg, model, tok, [ids_of(s[0]) if s else [] for s in segs], num_samples,
-                                   skip, eos, batch, device)
+                return _hf_results(cfg, model, tok, first_ids, num_samples, skip, eos, batch, device)
             flat = _hf_results(dataclasses.replace(cfg, shard=(0, 1)), model, tok, [ids for _, ids, _ in fit],
                                1, set(), eos, batch, device)
             return ((fit[p][0], text, n, a) for (p, _), text, n, a in flat)
-    res = _rounds(cfg, out, segs, done, first, generate)
+    res = _rounds(cfg, out, segs, keys, done, first, generate)
     if too_long:
         print(f"{len(too_long)} conversations not answered: a prompt of {context} tokens or more (the target's "
               "context) leaves no room for a reply", file=sys.stderr)
     return dataclasses.replace(res, too_long=len(too_long))
 
 
-def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], done: set, first, generate) -> RegenSummary:
-    """Answer every turn of the unfinished conversations, one round per turn (extract/turns.py).
+def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], keys: list[str], done: set, first,
+            generate) -> RegenSummary:
+    """Answer every turn of the unfinished conversations, one round per turn (extract/turns.py);
+    keys: each conversation's content key (the turn log's names for them).
 
     `first`: this shard's (prompt, sample) pairs to start, in order, or None where the engine's own
     plan picks them (HF generate: every pair not done of its batches). `generate(reqs, turn)` takes
     [(job, messages, key)] and yields (job, text or None, new tokens, attempts).
     """
-    log = TurnLog(out, [conversation_key([m for s in c for m in s]) for c in segs])
+    log = TurnLog(out, keys)
     if first is None:
         first = [(i, k) for i in range(len(segs)) for k in range(cfg.num_samples) if (i, k) not in done]
     started = [j for j in first if segs[j[0]]]  # a conversation without a user message has nothing to answer
