@@ -97,10 +97,10 @@ def _past(deadline: float, device: torch.device, world: int) -> bool:
     return bool(late.item())
 
 
-def _open_store(cfg: TrainConfig, rank: int) -> StoreReader:
+def _open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     """The store, checked: finalized (unless following), creation files intact, holding what the loss needs."""
     if cfg.follow:  # started beside stage one: the store may not exist yet
-        wait_for_store(Path(cfg.store), announce=rank == 0, watch=WriterWatch(Path(cfg.store), cfg.follow_timeout))
+        wait_for_store(Path(cfg.store), announce=rank == 0, watch=watch)
     reader = StoreReader(cfg.store)
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
@@ -131,8 +131,8 @@ class Trainer:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(cfg.seed)
 
-        self.reader = _open_store(cfg, self.rank)
-        self.watch = WriterWatch(Path(cfg.store), cfg.follow_timeout)
+        self.watch = WriterWatch(Path(cfg.store), cfg.follow_timeout)  # gives up on a store whose writer is gone
+        self.reader = _open_store(cfg, self.rank, self.watch)
         m = self.reader.manifest
         self.dc, tap_index = drafter_config(cfg, self.reader)
         self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
@@ -332,7 +332,7 @@ class Trainer:
             raise ValueError(f"{cfg.out} holds checkpoints of an earlier run: pass --resume to continue it, "
                              "or another --out")
         if cfg.resume and cfg.resume_from:
-            ck = self._set_aside_after(Path(cfg.resume_from))
+            ck = Path(cfg.resume_from)
         if cfg.resume and ck is not None:
             weights, opt_state, saved = load_checkpoint(ck)
             _check_resume(cfg, saved, self.reader.manifest.identity())
@@ -347,6 +347,8 @@ class Trainer:
             self.opt.load_state_dict(opt_state["optimizer"])
             self.sched.load_state_dict(opt_state["scheduler"])
             self.step, self.start_epoch, self.skip = saved["step"], saved["epoch"], saved["step_in_epoch"]
+            if cfg.resume_from:
+                self._set_aside_after(self.step)
         elif cfg.init_from:
             weights = start_weights(cfg.init_from, self.dc, self.layer_ids)
             missing, unexpected = self.model.load_state_dict(weights, strict=False)
@@ -357,17 +359,15 @@ class Trainer:
         if self.rank == 0:
             trim_metrics(cfg.out, self.step)  # rows a killed run logged after its last checkpoint are redone
 
-    def _set_aside_after(self, ck: Path) -> Path:
-        """--resume-from: check the named checkpoint, then rename the run's later step-N (they would be
-        taken as the newest by the next resume) to step-N.superseded."""
-        saved = load_checkpoint(ck)[2]
+    def _set_aside_after(self, step: int) -> None:
+        """--resume-from, once its checkpoint has loaded: rename the run's later step-N (the next resume
+        would take them as the newest) to step-N.superseded."""
         root = Path(self.cfg.out) / "checkpoints"
         if self.rank == 0:
-            for later in [p for p in root.glob("step-*") if p.name[5:].isdigit() and int(p.name[5:]) > saved["step"]]:
+            for later in [p for p in root.glob("step-*") if p.name[5:].isdigit() and int(p.name[5:]) > step]:
                 os.replace(later, later.with_name(later.name + ".superseded"))
         if self.world > 1:
             dist.barrier()
-        return ck
 
     # ------------------------------------------------------------------ the loop
     def _start_next_epoch_early(self, epoch: int, s_idx: int, first: int, n_steps: int) -> bool:
