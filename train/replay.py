@@ -39,6 +39,13 @@ def anchor_spans(loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor
     return (starts.cumsum(0) - 1)[anchors]
 
 
+def _span_starts(anchors: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """bool [b, N]: the first (valid) anchor of each span, where decoding starts."""
+    first = torch.ones_like(anchors, dtype=torch.bool)
+    first[:, 1:] = spans[:, 1:] != spans[:, :-1]
+    return first & (anchors >= 0)
+
+
 def _next_links(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
     """Index of the anchor decoding drafts from after each anchor, or N (nowhere) [b, N].
 
@@ -67,9 +74,7 @@ def decode_visits(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Ten
     """
     b, n = anchors.shape
     valid = anchors >= 0
-    first = torch.ones_like(valid)
-    first[:, 1:] = spans[:, 1:] != spans[:, :-1]
-    mark = torch.cat([first & valid, torch.zeros(b, 1, dtype=torch.bool, device=anchors.device)], 1)  # [b, N+1]
+    mark = torch.cat([_span_starts(anchors, spans), torch.zeros(b, 1, dtype=torch.bool, device=anchors.device)], 1)  # [b, N+1]
     jump = torch.cat([_next_links(anchors, accepts, spans),
                       torch.full((b, 1), n, dtype=torch.long, device=anchors.device)], 1)  # N+1 is a sink
     for _ in range(max(1, (n - 1).bit_length()) + 1):
@@ -85,11 +90,8 @@ def replay_counts(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Ten
     held-out batches are built so): a span of s tokens then has s - 1 anchors, and decoding takes
     one forward for the prefill's token plus one per visited anchor (train.acceptance.decode_chain).
     """
-    valid = anchors >= 0
-    first = torch.ones_like(valid)
-    first[:, 1:] = spans[:, 1:] != spans[:, :-1]
-    num_spans = (first & valid).sum()
-    tokens = valid.sum() + num_spans
+    num_spans = _span_starts(anchors, spans).sum()
+    tokens = (anchors >= 0).sum() + num_spans
     forwards = decode_visits(anchors, accepts, spans).sum() + num_spans
     return tokens.float(), forwards.float()
 
