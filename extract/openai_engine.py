@@ -18,8 +18,9 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["Reply", "ServerRequest", "serve"]
+__all__ = ["Reply", "ServerRequest", "serve", "server_results"]
 
 _RETRYABLE_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -100,3 +101,37 @@ def serve(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], conc
             for f in done:
                 yield f.result()
                 submit()
+
+
+def server_results(cfg, opening: str, todo) -> Iterator[tuple[tuple[int, int], str | None, int, int]]:
+    """A regeneration's requests over the servers (cfg: its RegenConfig). todo: [(job, messages or None,
+    sampling key)]; None sends `opening` to the completions endpoint (--invent). Yields (job, text or
+    None, new tokens, attempts); failures are listed in OUT.errors.jsonl, which a rerun retries."""
+
+    def body(msgs, key) -> tuple[str, dict]:
+        common = dict(model=cfg.model, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                      top_p=cfg.top_p if cfg.temperature > 0 else 1.0, seed=key)
+        if msgs is None:
+            return "completions", dict(prompt=opening, **common)
+        extra = {"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}
+        return "chat/completions", dict(messages=msgs, **common, **extra)
+
+    reqs = (ServerRequest(job, *body(msgs, key)) for job, msgs, key in todo)
+    # this run retries every request an earlier run listed as failed: the file lists this run's failures
+    errors = Path(cfg.out + ".errors.jsonl")
+    errors.unlink(missing_ok=True)
+    ef = None  # opened at the first failure: a run without failures leaves no errors file
+    try:
+        for r in serve(reqs, base_urls=cfg.base_url, concurrency=cfg.concurrency, timeout=cfg.request_timeout,
+                       retries=cfg.retries):
+            if r.text is None:
+                ef = ef or open(errors, "a", encoding="utf-8")
+                ef.write(json.dumps({"prompt_index": r.job[0], "sample": r.job[1], "error": r.error,
+                                     "attempts": r.attempts, "time": time.time()}) + "\n")
+                ef.flush()
+                yield r.job, None, 0, r.attempts
+            else:
+                yield r.job, r.text, r.completion_tokens, r.attempts
+    finally:
+        if ef is not None:
+            ef.close()

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 import torch
@@ -40,6 +41,7 @@ from cache_format.conversations import history, segments
 from cache_format.layout import atomic_write_bytes
 from cache_format.lock import StoreLock
 from cache_format.target import chat_ids, eos_ids
+from extract.openai_engine import server_results
 from extract.plan import generation_jobs
 from extract.regen_config import RegenConfig
 from extract.sampling import request_key
@@ -99,66 +101,86 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
     # a resume knows a conversation by what it asks, not by its line: a reordered or grown prompt
     # file answers each conversation once (invented prompts have no content yet: by index)
     done = _done_pairs(out, None if cfg.invent else keys, num_samples)
-    kwargs = cfg.template_kwargs
     if cfg.engine == "openai":
-        tok = _tokenizer_only(cfg.target) if cfg.invent else None
-        opening = pre_query_text(tok) + cfg.invent_prefix if cfg.invent else ""
         if cfg.invent:
-            results = _openai_results(cfg, opening, [(job, None, request_key(cfg.seed, *job)) for job in
+            opening = pre_query_text(_tokenizer_only(cfg.target)) + cfg.invent_prefix
+            results = server_results(cfg, opening, [(job, None, request_key(cfg.seed, *job)) for job in
                                                      _todo(cfg, [len(opening)] * cfg.invent, 1, done)])
             return _write(cfg, out, segs, results)
         first = _todo(cfg, [sum(len(m["content"]) for m in s[0]) if s else 0 for s in segs], num_samples, done)
-        return _rounds(cfg, out, segs, keys, done, first, lambda reqs, turn: _openai_results(cfg, "", reqs))
+        return _rounds(cfg, out, segs, keys, done, first, lambda reqs, turn: server_results(cfg, "", reqs))
+    local = _local_target(cfg, loaded)
+    if cfg.invent:
+        return _write(cfg, out, segs, _invented_locally(cfg, local, done))
+    return _answer_locally(cfg, local, out, segs, keys, done, num_samples)
+
+
+class _Local(NamedTuple):
+    """The target in this process and how it generates: engine ("static" or "hf"), eos ids, rows a batch."""
+
+    model: torch.nn.Module
+    tok: object
+    engine: str
+    eos: list[int]
+    batch: int
+    device: torch.device
+
+
+def _local_target(cfg: RegenConfig, loaded) -> _Local:
+    """The target loaded (or the one given), with the engine --engine auto or static resolves to."""
     from cache_format.target import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = loaded or load_target(cfg.target, device=device)
-    tok, model = t.tokenizer, t.model
     engine = cfg.engine
     if engine in ("auto", "static"):
         from extract.engine import supports
 
-        why = supports(model)
+        why = supports(t.model)
         if why and engine == "static":
             raise ValueError(f"--engine static: {why}; use --engine hf")
         engine = "hf" if why else "static"
-    eos = eos_ids(tok, model)
-    batch = cfg.batch_size or (1024 if device.type == "cuda" else 16)
-    if cfg.invent:
-        opening = pre_query_text(tok) + cfg.invent_prefix
-        prompt_ids = [tok(opening, add_special_tokens=False)["input_ids"]] * cfg.invent
-        if engine == "static":
-            todo = _todo(cfg, [len(p) for p in prompt_ids], 1, done)
-            results = _static_results(cfg, model, tok, [(job, prompt_ids[job[0]], request_key(cfg.seed, *job))
-                                                        for job in todo], eos, batch)
-        else:
-            results = _hf_results(cfg, model, tok, prompt_ids, 1, done, eos, batch, device)
-        return _write(cfg, out, segs, results)
+    return _Local(t.model, t.tokenizer, engine, eos_ids(t.tokenizer, t.model),
+                  cfg.batch_size or (1024 if device.type == "cuda" else 16), device)
 
+
+def _invented_locally(cfg: RegenConfig, lo: _Local, done: set):
+    """--invent in process: the chat template's opening before a user message, continued by the target."""
+    opening = pre_query_text(lo.tok) + cfg.invent_prefix
+    prompt_ids = [lo.tok(opening, add_special_tokens=False)["input_ids"]] * cfg.invent
+    if lo.engine == "hf":
+        return _hf_results(cfg, lo.model, lo.tok, prompt_ids, 1, done, lo.eos, lo.batch, lo.device)
+    todo = _todo(cfg, [len(p) for p in prompt_ids], 1, done)
+    return _static_results(cfg, lo.model, lo.tok, [(job, prompt_ids[job[0]], request_key(cfg.seed, *job))
+                                                   for job in todo], lo.eos, lo.batch)
+
+
+def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: set, num_samples: int) -> RegenSummary:
+    """Every turn of the conversations answered by the target in process (static engine or HF generate)."""
     def ids_of(msgs: list[dict]) -> list[int]:
-        return chat_ids(tok, msgs, kwargs)
+        return chat_ids(lo.tok, msgs, cfg.template_kwargs)
 
     # a prompt that fills the target's context leaves no room for an answer: refused at once and
     # counted, not decoded past the positions the target was trained on
-    context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    context = int(getattr(lo.model.config, "max_position_embeddings", 0) or 0)
     too_long: set[tuple[int, int]] = set()
     first_ids = [ids_of(s[0]) if s else [] for s in segs]  # turn 0 of every conversation, tokenized once
 
     def fitting(reqs, turn) -> list[tuple[tuple[int, int], list[int], int]]:
-        out = []
+        fit = []
         for job, msgs, key in reqs:
             ids = first_ids[job[0]] if turn == 0 else ids_of(msgs)
             if context and len(ids) >= context:
                 too_long.add(job)
             else:
-                out.append((job, ids, key))
-        return out
+                fit.append((job, ids, key))
+        return fit
 
-    if engine == "static":
+    if lo.engine == "static":
         first = _todo(cfg, [len(ids) for ids in first_ids], num_samples, done)
 
         def generate(reqs, turn):
-            return _static_results(cfg, model, tok, fitting(reqs, turn), eos, batch)
+            return _static_results(cfg, lo.model, lo.tok, fitting(reqs, turn), lo.eos, lo.batch)
     else:  # HF generate batches by its own plan: turn 0 as it always did, later turns as one flat list
         first = None
 
@@ -166,9 +188,9 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
             fit = fitting(reqs, turn)
             if turn == 0:  # `reqs` are what the rounds still need of turn 0; HF's plan decides the batches
                 skip = {(i, k) for i in range(len(segs)) for k in range(num_samples)} - {job for job, _, _ in fit}
-                return _hf_results(cfg, model, tok, first_ids, num_samples, skip, eos, batch, device)
-            flat = _hf_results(dataclasses.replace(cfg, shard=(0, 1)), model, tok, [ids for _, ids, _ in fit],
-                               1, set(), eos, batch, device)
+                return _hf_results(cfg, lo.model, lo.tok, first_ids, num_samples, skip, lo.eos, lo.batch, lo.device)
+            flat = _hf_results(dataclasses.replace(cfg, shard=(0, 1)), lo.model, lo.tok, [ids for _, ids, _ in fit],
+                               1, set(), lo.eos, lo.batch, lo.device)
             return ((fit[p][0], text, n, a) for (p, _), text, n, a in flat)
     res = _rounds(cfg, out, segs, keys, done, first, generate)
     if too_long:
@@ -255,39 +277,6 @@ def hf_tokens(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device
 def _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device):
     return ((job, tok.decode(toks, skip_special_tokens=True), len(toks), 1)
             for job, toks in hf_tokens(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device))
-
-
-def _openai_results(cfg, opening, todo):
-    """todo: [(job, messages or None, sampling key)]; None sends `opening` to the completions endpoint (--invent)."""
-    from extract.openai_engine import ServerRequest, serve
-
-    def body(msgs, key) -> tuple[str, dict]:
-        common = dict(model=cfg.model, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                      top_p=cfg.top_p if cfg.temperature > 0 else 1.0, seed=key)
-        if msgs is None:
-            return "completions", dict(prompt=opening, **common)
-        extra = {"chat_template_kwargs": cfg.template_kwargs} if cfg.template_kwargs else {}
-        return "chat/completions", dict(messages=msgs, **common, **extra)
-
-    reqs = (ServerRequest(job, *body(msgs, key)) for job, msgs, key in todo)
-    # this run retries every request an earlier run listed as failed: the file lists this run's failures
-    errors = Path(cfg.out + ".errors.jsonl")
-    errors.unlink(missing_ok=True)
-    ef = None  # opened at the first failure: a run without failures leaves no errors file
-    try:
-        for r in serve(reqs, base_urls=cfg.base_url, concurrency=cfg.concurrency, timeout=cfg.request_timeout,
-                       retries=cfg.retries):
-            if r.text is None:
-                ef = ef or open(errors, "a", encoding="utf-8")
-                ef.write(json.dumps({"prompt_index": r.job[0], "sample": r.job[1], "error": r.error,
-                                     "attempts": r.attempts, "time": time.time()}) + "\n")
-                ef.flush()
-                yield r.job, None, 0, r.attempts
-            else:
-                yield r.job, r.text, r.completion_tokens, r.attempts
-    finally:
-        if ef is not None:
-            ef.close()
 
 
 def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = None,
