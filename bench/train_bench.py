@@ -26,6 +26,7 @@ from bench.common import SHAPES, synthetic_manifest
 from cache_format import Manifest, ShardWriter, StoreReader, create_store, finalize_store, write_frozen
 from train.config import LOSS_BACKWARDS
 from train.data import BatchDataset, CollateSettings, plan_epoch, to_device
+from train.losses import default_gamma
 from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings, forward_backward, make_optimizer
 
@@ -53,13 +54,14 @@ def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bflo
     return m
 
 
-def drafter_config(shape: str, layers: int) -> DrafterConfig:
-    """The benched drafter: the shape's dims, 5 taps, block 16 (what `python -m train` builds from make_store's store)."""
+def drafter_config(shape: str, layers: int, block_size: int = 16, draft_vocab: int = 0) -> DrafterConfig:
+    """The benched drafter: the shape's dims, 5 taps, block 16 by default (what `python -m train` builds from
+    make_store's store)."""
     sh = SHAPES[shape]
     return DrafterConfig(hidden_size=sh["hidden_size"], intermediate_size=sh["intermediate_size"], num_layers=layers,
                          num_heads=sh["num_attention_heads"], num_kv_heads=sh["num_key_value_heads"],
-                         head_dim=sh["head_dim"], vocab_size=sh["vocab_size"], num_taps=5, block_size=16,
-                         mask_token_id=sh["vocab_size"] - 1, rope_theta=1e6)
+                         head_dim=sh["head_dim"], vocab_size=sh["vocab_size"], num_taps=5, block_size=block_size,
+                         mask_token_id=sh["vocab_size"] - 1, rope_theta=1e6, draft_vocab_size=draft_vocab)
 
 
 def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: int, count: int,
@@ -70,7 +72,7 @@ def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: 
                        ranks=1, grad_accum=1)
     micro = [s[0] for s in steps]
     micro = (micro * (count // max(1, len(micro)) + 1))[:count]
-    settings = CollateSettings(tap_index=(0, 1, 2, 3, 4), num_stored_taps=5, num_anchors=anchors, block_size=16,
+    settings = CollateSettings(tap_index=(0, 1, 2, 3, 4), num_stored_taps=5, num_anchors=anchors, block_size=dc.block_size,
                                mask_token_id=dc.mask_token_id, with_last_hidden=False)
     return BatchDataset(store, micro, list(range(len(micro))), settings, seed=0, epoch=0, verify_shards=verify_shards)
 
@@ -84,7 +86,8 @@ def flops_per_step(dc: DrafterConfig, batch: dict, anchors_per_seq: int) -> floa
     pos = int((batch["labels"] != -100).sum())
     avg_visible = batch["hidden"].shape[1] / 2 + dc.block_size
     attn = 4 * q * avg_visible * dc.num_heads * hd * dc.num_layers * 3  # QK^T and PV, fwd + 2x bwd
-    return 6 * q * layer * dc.num_layers + 6 * t * (5 * h * h + kv * dc.num_layers) + 4 * pos * dc.vocab_size * h + attn
+    vocab = dc.draft_vocab_size or dc.vocab_size
+    return 6 * q * layer * dc.num_layers + 6 * t * (5 * h * h + kv * dc.num_layers) + 4 * pos * vocab * h + attn
 
 
 def main() -> None:
@@ -99,6 +102,9 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=4096)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--draft-vocab", type=int, default=0, help="as --draft-vocab in train (the first N ids: the "
+                    "synthetic labels are random, and every row costs the same)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3", "mxfp4"],
                     help="store dtype; fp8 batches are dequantized on the GPU by to_device, inside the timed step")
@@ -113,16 +119,18 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     make_store(a.store, a.shape, a.samples, a.seq, dtype=a.dtype)
-    dc = drafter_config(a.shape, a.layers)
+    dc = drafter_config(a.shape, a.layers, a.block_size, a.draft_vocab)
     fr = StoreReader(a.store).frozen()
-    model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"]).to(dev)
+    model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"],
+                          torch.arange(a.draft_vocab) if a.draft_vocab else None).to(dev)
     if a.compile:
         model.compile_layers()
     opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)  # what python -m train uses
     ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup,
                        verify_shards=a.verify_shards)
     use_flex = dev.type == "cuda"
-    loss = LossSettings(block_size=16, gamma=7.0, use_flex=use_flex, chunk=a.loss_chunk, backward=a.loss_backward,
+    loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), use_flex=use_flex,
+                        chunk=a.loss_chunk, backward=a.loss_backward,
                         compiled=a.compile)  # what python -m train builds from its config
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 

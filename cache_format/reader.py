@@ -153,6 +153,16 @@ class StoreReader:
                                        f"python -m cache_format verify {self.root} names the damaged files") from None
         return self._handles[key]
 
+    def group_tokens(self, key: str) -> dict[str, np.ndarray]:
+        """input_ids [N] and loss_mask [N] of a whole length group (index rows point into them by
+        start and length): the token arrays only, for passes over the data that need no states."""
+        arrays = self._group(key)
+        try:
+            return {name: arrays[name][...] for name in ("input_ids", "loss_mask")}
+        except Exception as e:  # noqa: BLE001 - a damaged chunk fails inside zarr's codecs
+            raise CacheFormatError(f"{self.root / key}: token arrays cannot be read ({brief(e)}); "
+                                   f"python -m cache_format verify {self.root} names the damaged files") from None
+
     def get(self, sample_id: int) -> Sample:
         return self.get_batch([sample_id])[0]
 

@@ -44,6 +44,10 @@ class TrainConfig:
     """Extra loss weight of the blocks whose anchors speculative decoding with the current drafter
     would visit (the positions right after a rejection), found from the step's own predictions
     (train.replay); 0 = every anchor alike."""
+    draft_vocab: int = 0
+    """Tokens the drafter may propose: the N most frequent answer tokens of the store's training
+    samples (0 = the target's whole vocabulary). The lm_head and the loss's softmax then cost N/V of
+    theirs; a token outside can never be drafted (the run logs the share of answer tokens inside)."""
     mask_token_id: int = -1
     """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first vocabulary
     padding row, else an unused special token; see cache_format.target.choose_mask_token)."""
@@ -161,6 +165,8 @@ class TrainConfig:
             raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
         if self.position_weights not in POSITION_WEIGHTS:
             raise ValueError(f"position_weights must be one of {POSITION_WEIGHTS}, got {self.position_weights!r}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got {self.draft_vocab}")
         if not 0 <= self.visit_weight < float("inf"):
             raise ValueError(f"visit_weight must be a finite number >= 0, got {self.visit_weight}")
         if self.loss_backward not in LOSS_BACKWARDS:

@@ -90,7 +90,8 @@ def write_export(dst: Path, state: dict, weights: dict[str, torch.Tensor]) -> Pa
     and weights) into `dst`."""
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(export_config(state), indent=2))
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in to_export_names(weights).items()},
+    save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()  # draft_ids stay ids
+               for k, v in to_export_names(weights).items()},
               str(dst / "model.safetensors"), metadata={"format": "pt"})
     shutil.copyfile(Path(__file__).with_name("modeling_dflash.py"), dst / "modeling_dflash.py")
     return dst
@@ -120,6 +121,8 @@ def export_config(state: dict) -> dict:
         "dtype": "bfloat16",
         "torch_dtype": "bfloat16",
         "block_size": dc.block_size,
+        # the tokens it may propose (model.safetensors "draft_ids": draft index -> target id); 0 = all
+        "draft_vocab_size": dc.draft_vocab_size,
         "num_target_layers": state.get("num_target_layers", 0),
         "layer_types": ["full_attention"] * dc.num_layers,
         "dflash_config": {"mask_token_id": dc.mask_token_id, "mask_token": state.get("mask_token", ""),
@@ -151,7 +154,7 @@ def load_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list
                        num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], vocab_size=cfg["vocab_size"],
                        num_taps=len(cfg["dflash_config"]["target_layer_ids"]), block_size=cfg["block_size"],
                        mask_token_id=cfg["dflash_config"]["mask_token_id"], rope_theta=cfg["rope_theta"],
-                       rms_eps=cfg["rms_norm_eps"])
+                       rms_eps=cfg["rms_norm_eps"], draft_vocab_size=cfg.get("draft_vocab_size", 0))
     return dc, from_export_names(load_file(str(Path(path) / "model.safetensors"))), cfg["dflash_config"]["target_layer_ids"]
 
 
@@ -170,7 +173,7 @@ def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[st
         diffs.append(f"taps {list(their_ids)} vs {list(layer_ids)}")
     if diffs:
         raise ValueError(f"--init-from {path}: the export does not fit this run's drafter ({'; '.join(diffs)})")
-    return {k: v.float() for k, v in weights.items()}
+    return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
 
 @click.command()

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from train.anchors import IGNORE
 from train.config import LOSS_BACKWARDS, POSITION_WEIGHTS
 from train.replay import block_accepts, reach_weights, visit_weights
+from train.vocab import OUT_OF_VOCAB
 
 __all__ = ["LossOut", "Weighting", "acceptance_from_acc", "decay_weights", "draft_loss"]
 
@@ -135,7 +136,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
                chunk: int = 2048, backward: str = "fused", compiled: bool = False,
                weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
                spans: torch.Tensor | None = None, replay: bool = False) -> LossOut:
-    """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss); teacher [B, Q, H] or None.
+    """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss) indexing lm_head's rows
+    (OUT_OF_VOCAB: a token a draft vocabulary lacks, no loss and never a hit); teacher [B, Q, H] or None.
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
     distribution is the soft label for token p+k. `backward` picks how the chunks' gradients are
@@ -157,18 +159,21 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     slot = torch.arange(q, device=hidden.device) % block_size
     keep = labels != IGNORE
     rows, lab, s = hidden[keep], labels[keep], slot.expand(b, q)[keep]
+    # a label the draft vocabulary lacks (train.vocab): no loss, and a miss in the acceptance figures
+    in_vocab = lab != OUT_OF_VOCAB
     # the store's teacher states are bf16; on CPU the drafter trains in float32 (no autocast)
     tea = teacher[keep].to(rows.dtype) if teacher is not None else None
     if kl_weight > 0 and tea is None:
         raise ValueError("KL loss needs the stored final hidden state (extract with --last-hidden)")
-    row_loss, hit = _row_losses(rows, lm_head, lab, tea, kl_weight, chunk, backward, compiled)
+    row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, chunk, backward, compiled)
+    hit = hit & in_vocab
     weighting = weighting or Weighting()
     dense = None
     if replay or weighting.decode_aware:
         dense = torch.zeros(b, q, dtype=torch.bool, device=hidden.device).masked_scatter_(keep, hit)
         dense = dense.view(b, q // block_size, block_size)  # [B, N, bs]
     w_all = weighting.row_weights(dense, keep, anchors, spans, block_size=block_size, gamma=gamma)  # [B, Q]
-    w = w_all[keep]
+    w = w_all[keep] * in_vocab
     wsum = w.sum()
     loss = (row_loss * w).sum() / wsum.clamp(min=1e-12)
     correct = torch.zeros(block_size, device=hidden.device).index_add_(0, s, hit.float())

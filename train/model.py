@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.modeling_dflash import RMSNorm, apply_rope, rope_cos_sin
+from train.vocab import draft_labels, target_to_draft
 
 __all__ = ["DrafterConfig", "DFlashDrafter", "apply_rope", "rope_cos_sin"]
 
@@ -38,6 +39,8 @@ class DrafterConfig:
     mask_token_id: int = 0
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
+    draft_vocab_size: int = 0
+    """Tokens the drafter may propose (its `draft_ids`); 0 = the target's whole vocabulary (train.vocab)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,9 +103,12 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    """Trainable: fc, hidden_norm, layers, norm. Frozen buffers: embed_tokens, lm_head."""
+    """Trainable: fc, hidden_norm, layers, norm. Frozen buffers: embed_tokens, lm_head (its rows of
+    the draft vocabulary only, when there is one). With a draft vocabulary, `draft_ids` [N] (saved
+    with the weights: the export needs it) maps a draft index to its target id and `t2d` [V] back."""
 
-    def __init__(self, c: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def __init__(self, c: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+                 draft_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.c = c
         self.fc = nn.Linear(c.num_taps * c.hidden_size, c.hidden_size, bias=False)
@@ -110,7 +116,13 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_eps)
         self.register_buffer("embed_tokens", embed.detach().clone(), persistent=False)  # [V, H]
-        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # [V, H]
+        if c.draft_vocab_size:
+            if draft_ids is None or draft_ids.shape != (c.draft_vocab_size,):
+                raise ValueError(f"a drafter with a draft vocabulary of {c.draft_vocab_size} needs as many draft_ids")
+            self.register_buffer("draft_ids", draft_ids.detach().clone().long())  # [N]
+            self.register_buffer("t2d", target_to_draft(self.draft_ids, c.vocab_size), persistent=False)  # [V]
+            lm_head = lm_head[self.draft_ids]
+        self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # [V or N, H]
 
     def compile_layers(self) -> None:
         """torch.compile each layer in place: fuses the norms, RoPE and SwiGLU around the matmuls.
@@ -146,4 +158,12 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> [..., V] logits, or [..., N] over the draft vocabulary."""
         return hidden @ self.lm_head.to(hidden.dtype).T
+
+    def labels(self, labels: torch.Tensor, ignore: int) -> torch.Tensor:
+        """Target-id labels as the loss sees them: draft indices (OUT_OF_VOCAB where the draft
+        vocabulary lacks the token) with a draft vocabulary, else unchanged."""
+        if not self.c.draft_vocab_size:
+            return labels
+        return draft_labels(labels, self.t2d, ignore)

@@ -122,6 +122,9 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
+        # a draft vocabulary (config draft_vocab_size > 0): draft index -> target id, in the weights file
+        n = int(getattr(config, "draft_vocab_size", 0) or 0)
+        self.register_buffer("draft_ids", torch.zeros(n, dtype=torch.long) if n else None)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -152,6 +155,15 @@ class DFlashDraftModel(PreTrainedModel):
             x = layer(x, k, v, cos, sin)
         return self.norm(x)
 
+    def draft_head(self, head: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's lm_head [V, H] this drafter proposes from ([N, H] with a draft vocabulary)."""
+        return head if self.draft_ids is None else head[self.draft_ids]
+
+    def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """Target ids of the argmax of draft logits [..., V or N]."""
+        idx = logits.argmax(-1)
+        return idx if self.draft_ids is None else self.draft_ids[idx]
+
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.Tensor, *, max_new_tokens: int = 256,
                       eos_token_id: int | list[int] | None = None) -> dict:
@@ -165,7 +177,7 @@ class DFlashDraftModel(PreTrainedModel):
             raise ValueError(f"spec_generate decodes one prompt at a time, got a batch of {input_ids.shape[0]}")
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
         dev, bs = input_ids.device, self.block_size
-        embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        embed, head = target.get_input_embeddings().weight, self.draft_head(target.get_output_embeddings().weight)
         taps: dict[int, torch.Tensor] = {}
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
         hooks = [decoder.layers[i].register_forward_hook(
@@ -181,7 +193,7 @@ class DFlashDraftModel(PreTrainedModel):
                 block = torch.full((1, bs), self.mask_token_id, device=dev)
                 block[0, 0] = tokens[-1]
                 hid = self(F.embedding(block, embed), torch.arange(n, n + bs, device=dev)[None], ctx)
-                draft = (hid[0, 1:] @ head.to(hid.dtype).T).argmax(-1)  # [bs-1]
+                draft = self.draft_tokens(hid[0, 1:] @ head.to(hid.dtype).T)  # [bs-1] target ids
                 out = target(torch.cat([block[0, :1], draft])[None], past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
                 want = out.logits[0].argmax(-1)  # the target's choice after each block token

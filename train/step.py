@@ -55,7 +55,7 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
-        return draft_loss(hidden, batch["labels"], core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
+        return draft_loss(hidden, core.labels(batch["labels"], IGNORE), core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
                           teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, chunk=loss.chunk,
                           backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
                           anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay)

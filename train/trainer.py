@@ -35,6 +35,7 @@ from train.masks import use_flex_attention
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
 from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings, StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
+from train.vocab import answer_token_counts, coverage, draft_vocab
 
 __all__ = ["Trainer", "build_drafter", "drafter_config", "train"]
 
@@ -62,11 +63,12 @@ def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig
     return dc, [m.layer_ids.index(x) for x in taps]
 
 
-def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor]) -> DFlashDrafter:
+def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor],
+                  draft_ids: torch.Tensor | None = None) -> DFlashDrafter:
     emb, head = frozen["embed_tokens.weight"], frozen["lm_head.weight"]
     if emb.shape != (dc.vocab_size, dc.hidden_size):
         raise ValueError(f"embedding shape {tuple(emb.shape)} does not fit vocab {dc.vocab_size} x hidden {dc.hidden_size}")
-    return DFlashDrafter(dc, emb, head)
+    return DFlashDrafter(dc, emb, head, draft_ids)
 
 
 # Steps before an epoch's end at which the next epoch's DataLoader workers start. Fresh workers need
@@ -136,14 +138,15 @@ class Trainer:
         m = self.reader.manifest
         self.dc, tap_index = drafter_config(cfg, self.reader)
         self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
-        self.model = build_drafter(self.dc, self.reader.frozen()).to(self.device)
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         try:
             self.held = (holdout_mask(self.reader.sample_ids, cfg.val_samples, cfg.seed, self.reader.prompt_keys())
                          if cfg.val_samples else None)
         except ValueError as e:
             raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
+        draft_ids, self.vocab_coverage = self._draft_vocab()
+        self.model = build_drafter(self.dc, self.reader.frozen(), draft_ids).to(self.device)
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.collate = CollateSettings(tap_index=tuple(tap_index), num_stored_taps=len(m.layer_ids),
                                        num_anchors=cfg.num_anchors, block_size=cfg.block_size,
                                        mask_token_id=self.dc.mask_token_id, with_last_hidden=cfg.effective_kl_weight > 0)
@@ -166,7 +169,7 @@ class Trainer:
                        "mask_token": m.mask_token if self.dc.mask_token_id == m.mask_token_id else "",
                        "store": str(cfg.store), "store_identity": m.identity(), "target": m.target.name,
                        "target_sha256": m.target.sha256, "total_steps": self.total,
-                       "num_target_layers": m.target.num_layers,
+                       "num_target_layers": m.target.num_layers, "draft_vocab_coverage": self.vocab_coverage,
                        "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                               config={k: self.record[k] for k in ("train", "drafter")})
@@ -181,6 +184,25 @@ class Trainer:
         # the check costs no host sync per step; read before every row, evaluation and checkpoint
         self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
         self.out_of_time = False
+
+    def _draft_vocab(self) -> tuple[torch.Tensor | None, float]:
+        """With --draft-vocab N: the N most frequent answer tokens of the training samples (held-out
+        ones left out) and the share of those samples' answer tokens they cover; else (None, 1.0).
+        Every rank counts the same committed samples, so every rank gets the same ids."""
+        n = self.cfg.draft_vocab
+        if not n:
+            return None, 1.0
+        if n > self.dc.vocab_size:
+            raise ValueError(f"--draft-vocab {n}: larger than the target's vocabulary ({self.dc.vocab_size})")
+        train_rows = ~self.held if self.held is not None else np.ones(len(self.reader), dtype=bool)
+        counts = answer_token_counts(self.reader, train_rows, self.dc.vocab_size)
+        ids = draft_vocab(counts, n)
+        self.dc = dataclasses.replace(self.dc, draft_vocab_size=n)
+        share = coverage(counts, ids)
+        if self.rank == 0:
+            print(f"draft vocabulary: {n} of {self.dc.vocab_size} tokens, {share:.2%} of the training answers' tokens",
+                  flush=True)
+        return ids, share
 
     # ------------------------------------------------------------------ the plan
     def _share(self, obj: list) -> list:
@@ -340,6 +362,7 @@ class Trainer:
                 raise ValueError(f"cannot resume {cfg.out}: its learning-rate schedule spans {saved.get('total_steps')} "
                                  f"steps, these options make it {self.total} (--max-steps or --epochs changed); resume "
                                  "with the same, or go on in a new run with --init-from an export of this one")
+            self._same_vocab(weights, str(ck))
             try:  # strict: a checkpoint missing a tensor would leave it at its random init
                 self.model.load_state_dict(weights, strict=True)
             except RuntimeError as e:
@@ -351,6 +374,7 @@ class Trainer:
                 self._set_aside_after(self.step)
         elif cfg.init_from:
             weights = start_weights(cfg.init_from, self.dc, self.layer_ids)
+            self._same_vocab(weights, f"--init-from {cfg.init_from}")
             missing, unexpected = self.model.load_state_dict(weights, strict=False)
             params = {n for n, _ in self.model.named_parameters()}  # the export leaves out only frozen buffers
             if unexpected or params & set(missing):
@@ -358,6 +382,14 @@ class Trainer:
                                  f"or unknown {sorted(unexpected)[:3]}")
         if self.rank == 0:
             trim_metrics(cfg.out, self.step)  # rows a killed run logged after its last checkpoint are redone
+
+    def _same_vocab(self, weights: dict[str, torch.Tensor], what: str) -> None:
+        """Loaded weights must draft from this run's draft vocabulary: its lm_head rows were taken by it."""
+        mine = getattr(self.model, "draft_ids", None)
+        theirs = weights.get("draft_ids")
+        if mine is not None and theirs is not None and not torch.equal(theirs.to(mine.device), mine):
+            raise ValueError(f"{what}: its draft vocabulary is not the one this run counts from {self.cfg.store} "
+                             "(other training data); start without it, or train from the store it was trained on")
 
     def _set_aside_after(self, step: int) -> None:
         """--resume-from, once its checkpoint has loaded: rename the run's later step-N (the next resume

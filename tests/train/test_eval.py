@@ -87,10 +87,10 @@ def test_overfit_drafter_tau_above_one_and_lossless(trained):
     assert abs(res["prompt_lookup_tau_by_source"][prompts] - res["baseline_prompt_lookup_tau"]) < 1e-9
 
 
-def test_replayed_decoding_tau_equals_real_decoding(trained):
-    """val_decode_tau (one batched training forward with an anchor at every response position,
-    decoding replayed along the stored greedy answer) equals speculative decoding with the same
-    weights against the real target, prompt by prompt and over the held-out pass."""
+def _assert_replay_equals_decoding(target: str, run: str) -> None:
+    """val_decode_tau of the run's latest checkpoint (one batched training forward with an anchor at
+    every response position, decoding replayed along the stored greedy answer) equals speculative
+    decoding with the same weights against the real target, prompt by prompt and over the held-out pass."""
     from cache_format import StoreReader
     from cache_format.target import load_target
     from train.data import BatchDataset, CollateSettings
@@ -100,12 +100,11 @@ def test_replayed_decoding_tau_equals_real_decoding(trained):
     from train.step import LossSettings, evaluate_holdout, forward_loss
     from train.trainer import build_drafter
 
-    target, _, run = trained
-    store = str(Path(run).parent / "s.zarr")
-    reader = StoreReader(store)
     weights, _, state = load_checkpoint(latest_checkpoint(run))
+    store = state["store"]
+    reader = StoreReader(store)
     dc = DrafterConfig(**state["drafter"])
-    model = build_drafter(dc, reader.frozen())
+    model = build_drafter(dc, reader.frozen(), weights.get("draft_ids"))
     model.load_state_dict(weights, strict=False)
     every = CollateSettings(tap_index=(0, 1), num_stored_taps=2, num_anchors=10_000, block_size=dc.block_size,
                             mask_token_id=dc.mask_token_id, with_last_hidden=False)
@@ -130,6 +129,37 @@ def test_replayed_decoding_tau_equals_real_decoding(trained):
     held = BatchDataset(store, [ids], [0], every, seed=0, epoch=-1)  # all prompts in one padded batch
     row = evaluate_holdout(model, held, torch.device("cpu"), world=1, loss=loss)
     assert row["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6)
+
+
+def test_replayed_decoding_tau_equals_real_decoding(trained):
+    target, _, run = trained
+    _assert_replay_equals_decoding(target, run)
+
+
+def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(trained, tmp_path):
+    """--draft-vocab N: the drafter proposes only the N most frequent answer tokens (here fewer than
+    the answers use, so some labels lie outside); its replayed τ equals real decoding, and the export
+    (draft_ids in its weights) decodes losslessly through AutoModel."""
+    import numpy as np
+
+    from cache_format import StoreReader
+
+    target, prompts, run = trained
+    store = str(Path(run).parent / "s.zarr")
+    reader = StoreReader(store)
+    answers = np.concatenate([s.input_ids[s.loss_mask.bool()].numpy() for s in reader.get_batch(reader.sample_ids)])
+    n = len(set(answers.tolist())) - 3  # three answer tokens can never be drafted
+    vr = str(tmp_path / "vocab-run")
+    train(TrainConfig(store=store, out=vr, num_layers=2, block_size=4, num_anchors=64, epochs=1000, max_steps=150,
+                      token_budget=2048, lr=3e-3, log_every=50, workers=0, draft_vocab=n))
+    weights, _, state = load_checkpoint(latest_checkpoint(vr))
+    assert weights["draft_ids"].shape == (n,) and state["drafter"]["draft_vocab_size"] == n
+    assert 0.9 < state["draft_vocab_coverage"] < 1.0 and len(answers) > 100
+    _assert_replay_equals_decoding(target, vr)
+    out = export_run(vr, str(tmp_path / "exp"))
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == n
+    res = _eval(vr, prompts, "--export", str(out))
+    assert res["lossless"] is True and res["export"]["lossless"] is True and res["export"]["tau"] > 1.3, res
 
 
 def test_multiturn_held_out_chats_are_measured_on_their_second_turn(trained):
