@@ -113,10 +113,11 @@ def _drafters(run: str, checkpoint: str, export: str) -> tuple[dict[str, Any], d
 
 def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: str = "default", limit: int = 0,
              max_new_tokens: int = 128, target: str = "", dtype: str = "float32",
-             teacher_forced: bool = False) -> dict[str, Any]:
+             teacher_forced: bool = False, prompt_lookup: bool = True) -> dict[str, Any]:
     """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
     with both, the export's figures sit under "export" beside the checkpoint's. teacher_forced:
-    also the acceptance at every anchor of the greedy output (see train.acceptance)."""
+    also the acceptance at every anchor of the greedy output (see train.acceptance). prompt_lookup:
+    also transformers' prompt-lookup decoding as a second baseline (a third of an evaluation's time)."""
     from cache_format.target import chat_ids, eos_ids, load_target
 
     if not run and not export:
@@ -156,6 +157,11 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
                                 "tau": len(new) / spec["target_forwards"], "lossless": new == base.tokens})
             if teacher_forced:
                 rows[which][-1].update(_teacher_forced_row(drafter, model, ids, base.tokens, spec["accepted"]))
+        if not prompt_lookup:
+            for r in rows.values():
+                r[-1].update(prompt_lookup_new_tokens=0, prompt_lookup_target_forwards=0)
+            bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{_tau(r):.2f}" for k, r in rows.items()})
+            continue
         box, h = _count_forwards(model)
         with torch.inference_mode():
             t0 = time.perf_counter()
@@ -185,8 +191,9 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
             "tokens_per_s": new_tokens / max(secs[which], 1e-9),
             "baseline_tokens_per_s": new_tokens / max(base_s, 1e-9),
             "speedup": base_s / max(secs[which], 1e-9),
-            "baseline_prompt_lookup_tau": pl_tokens / max(1, pl_fw),
-            "baseline_prompt_lookup_speedup": (base_s / max(pl_s, 1e-9)) * (pl_tokens / max(1, new_tokens)),
+            "baseline_prompt_lookup_tau": pl_tokens / max(1, pl_fw) if prompt_lookup else None,
+            "baseline_prompt_lookup_speedup": ((base_s / max(pl_s, 1e-9)) * (pl_tokens / max(1, new_tokens))
+                                               if prompt_lookup else None),
             "acceptance_histogram": {str(k): hist[which][k] for k in sorted(hist[which])},
             **_by_source(r),
             **({"teacher_forced": _teacher_forced(r)} if teacher_forced else {}),
@@ -279,10 +286,11 @@ def _by_source(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         d = dom.setdefault(domain_of(k), [0, 0, 0, 0])
         for i in range(4):
             d[i] += v[i]
+    pl = any(v[3] for v in acc.values())  # prompt lookup was run (not with --no-prompt-lookup)
     return {"tau_by_source": {k: v[0] / max(1, v[1]) for k, v in acc.items()},
-            "prompt_lookup_tau_by_source": {k: v[2] / max(1, v[3]) for k, v in acc.items()},
+            "prompt_lookup_tau_by_source": {k: v[2] / max(1, v[3]) for k, v in acc.items()} if pl else None,
             "tau_by_domain": {k: v[0] / max(1, v[1]) for k, v in dom.items()},
-            "prompt_lookup_tau_by_domain": {k: v[2] / max(1, v[3]) for k, v in dom.items()}}
+            "prompt_lookup_tau_by_domain": {k: v[2] / max(1, v[3]) for k, v in dom.items()} if pl else None}
 
 
 def _plot(res: dict[str, Any], path: Path) -> None:
@@ -296,8 +304,9 @@ def _plot(res: dict[str, Any], path: Path) -> None:
     ax.bar([int(k) for k in h], list(h.values()))
     ax.set_xlabel("tokens accepted per target forward (bonus included)")
     ax.set_ylabel("target forwards")
-    ax.set_title(f"τ = {res['tau']:.2f} over {res['num_prompts']} prompts (prompt lookup τ = "
-                 f"{res['baseline_prompt_lookup_tau']:.2f})")
+    pl = res["baseline_prompt_lookup_tau"]
+    ax.set_title(f"τ = {res['tau']:.2f} over {res['num_prompts']} prompts"
+                 + (f" (prompt lookup τ = {pl:.2f})" if pl is not None else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -319,6 +328,8 @@ def _plot(res: dict[str, Any], path: Path) -> None:
               help="Target dtype; the lossless check is exact only in float32 (bf16 argmax ties flip).")
 @click.option("--teacher-forced", is_flag=True, help="Also draft at every anchor of the target's greedy output: "
               "sim_tau's counterpart on these prompts, and the decode it implies (train.acceptance).")
+@click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
+              help="Also run transformers' prompt-lookup decoding as a second baseline (a third of the time).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def main(as_json: bool, **kw) -> None:
     """Speculative decoding with the drafter against the real target: τ, speedup, lossless."""
@@ -338,9 +349,11 @@ def main(as_json: bool, **kw) -> None:
                f"({res['target_forwards']} target forwards vs {res['baseline_target_forwards']} greedy)")
     click.echo(f"lossless {res['lossless']} (checked in {res['lossless_dtype']}); speedup {res['speedup']:.2f}x "
                f"({res['tokens_per_s']:.1f} vs {res['baseline_tokens_per_s']:.1f} tok/s)")
-    click.echo(f"prompt lookup: tau {res['baseline_prompt_lookup_tau']:.3f}, speedup "
-               f"{res['baseline_prompt_lookup_speedup']:.2f}x")
-    by = ", ".join(f"{k} {v:.3f} (prompt lookup {res['prompt_lookup_tau_by_domain'][k]:.3f})"
+    pl = res["prompt_lookup_tau_by_domain"]
+    if pl is not None:
+        click.echo(f"prompt lookup: tau {res['baseline_prompt_lookup_tau']:.3f}, speedup "
+                   f"{res['baseline_prompt_lookup_speedup']:.2f}x")
+    by = ", ".join(f"{k} {v:.3f}" + (f" (prompt lookup {pl[k]:.3f})" if pl is not None else "")
                    for k, v in res["tau_by_domain"].items())
     click.echo(f"tau by domain: {by}")
     if "teacher_forced" in res:

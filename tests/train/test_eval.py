@@ -158,8 +158,12 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
     _assert_replay_equals_decoding(target, vr)
     out = export_run(vr, str(tmp_path / "exp"))
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == n
-    res = _eval(vr, prompts, "--export", str(out))
+    res = _eval(vr, prompts, "--export", str(out), "--no-prompt-lookup")
     assert res["lossless"] is True and res["export"]["lossless"] is True and res["export"]["tau"] > 1.3, res
+    assert res["baseline_prompt_lookup_tau"] is None and res["prompt_lookup_tau_by_domain"] is None
+    text = CliRunner().invoke(eval_main, ["--run", vr, "--prompts", prompts, "--limit", "2", "--max-new-tokens", "8",
+                                          "--no-prompt-lookup"])
+    assert text.exit_code == 0 and "tau by domain" in text.output and "prompt lookup" not in text.output, text.output
 
 
 def test_multiturn_held_out_chats_are_measured_on_their_second_turn(trained):
