@@ -4,7 +4,7 @@
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
-#   bash scripts/scale_run.sh eval      # float32 evaluation, 16 held-out prompts per domain, lossless check
+#   bash scripts/scale_run.sh eval      # the served export (bf16) against the float32 target, 48 held-out prompts
 #   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
 # The export that `pack` brings back is evaluated anywhere (as served: bf16 weights through AutoModel):
 #   mkdir E && cat export.safetensors.part-* > E/model.safetensors && cp export_config.json E/config.json
@@ -71,9 +71,12 @@ train)
   grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | cut -c1-300
   # a machine lost between calls takes /root and /dev/shm with it: bring this call's drafter back now
   pack > /dev/null;;
-eval)
-  python3 -m train.eval --run "$RUN" --limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 --json "${TARGET[@]}" 2>&1 \
-    | tail -n 1 | cut -c1-2000;;
+eval)  # the export as served (bf16 weights through AutoModel) of the best checkpoint; EVAL_ARGS: more
+  # train.eval options, e.g. --no-prompt-lookup (the second baseline is a third of the time)
+  python3 -m train.export --run "$RUN" --out "$W/export" --overwrite > /dev/null || exit 1
+  python3 -m train.eval --export "$W/export" --limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 --json "${TARGET[@]}" \
+    ${EVAL_ARGS:-} 2>&1 | tail -n 1 | cut -c1-2000
+  cp "$W/export/eval.json" "$RUN/eval.json";;
 pack) pack;;
 *) echo "stage must be extract, train, eval or pack" >&2; exit 2;;
 esac
