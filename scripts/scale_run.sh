@@ -12,7 +12,7 @@
 # The options are those of configs/smollm2-h200/ (extract.toml, train.toml); the environment overrides a few.
 # Settings (environment): DATA (default: docs/results/recipe-default-100k/train.jsonl.gz), W (work
 # dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the samples to extract,
-# default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 3600), LR (6e-4),
+# default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 7000), LR (6e-4),
 # TLIM (seconds this call may train: train's --time-limit, default 480), VERIFY (train's
 # --verify-shards: auto, on or off), TRAIN_ARGS (more train options, e.g. "--num-layers 8
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
@@ -63,7 +63,7 @@ PY
 train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
   timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
-    --store "$STORE" --out "$RUN" --max-steps "${STEPS:-3600}" --time-limit "${TLIM:-480}" --lr "${LR:-6e-4}" \
+    --store "$STORE" --out "$RUN" --max-steps "${STEPS:-7000}" --time-limit "${TLIM:-480}" --lr "${LR:-6e-4}" \
     --token-budget "${TOKENS:-16384}" --val-samples "${VAL:-1000}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-auto}" \
     $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1
   echo "train exit $?"
