@@ -133,6 +133,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if not self.store or not self.out:
             raise ValueError("store and out are required")
+        if any(layer < 0 for layer in self.layers) or len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layer ids must be distinct and >= 0, got {list(self.layers)}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_layers < 1 or self.num_anchors < 1 or self.epochs < 1:

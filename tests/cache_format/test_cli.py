@@ -109,3 +109,12 @@ def test_a_config_file_value_of_another_type_is_one_line(tmp_path):
         f.write_text('store = "s"\nout = "r"\n' + line + "\n")
         out = CliRunner().invoke(train_main, ["--config", str(f)])
         assert out.exit_code == 2 and why in out.output and "Traceback" not in out.output, out.output
+
+
+def test_a_repeated_or_negative_layer_id_is_refused_where_parsed():
+    """--layers 1,1,8 would tap (or train on) the same layer twice: one line, before anything runs."""
+    for cmd, base in ((train_main, ["--store", "s", "--out", "r"]), (extract_main, ["--store", "s"])):
+        for layers in ("1,1,8", "-1,4"):
+            out = CliRunner().invoke(cmd, [*base, "--layers", layers])
+            assert out.exit_code != 0 and "layer ids must be distinct and >= 0" in out.output, out.output
+            assert "Traceback" not in out.output
