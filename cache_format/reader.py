@@ -31,6 +31,7 @@ from cache_format.layout import (
     token_arrays,
 )
 from cache_format.rawread import RawShardReader
+from cache_format.remote import fetch, is_url, local_copy, pull
 from cache_format.schema import Manifest
 
 __all__ = ["Sample", "StoreReader"]
@@ -53,11 +54,15 @@ class Sample:
 class StoreReader:
     """Random access to the committed samples of a store."""
 
-    def __init__(self, path: str | os.PathLike, *, verify_shards: bool = False) -> None:
-        """verify_shards: check each data shard's checksums the first time this process reads from
-        it (a mismatch is a one-line CacheFormatError naming shard and array)."""
-        self.root = Path(path)
-        self.verify_shards, self._verified = verify_shards, set()
+    def __init__(self, path: str | os.PathLike, *, verify_shards: bool = False, remote: str = "") -> None:
+        """path: a store directory, or a URL (cache_format.remote: the metadata is copied into its
+        cache directory now, each shard on first use). remote: the URL whose local copy `path`
+        already is (DataLoader workers of a reader opened by URL). verify_shards: check each data
+        shard's checksums the first time this process reads from it (a mismatch is a one-line
+        CacheFormatError naming shard and array); always on for a remote store."""
+        self.url = str(path) if is_url(path) else remote
+        self.root = local_copy(self.url) if is_url(path) else Path(path)
+        self.verify_shards, self._verified = verify_shards or bool(self.url), set()
         self.manifest: Manifest = read_manifest(self.root)
         try:
             self.index, self._follower = load_index(self.root)
@@ -83,6 +88,8 @@ class StoreReader:
         """Pick up shards committed since opening; returns the number of new samples."""
         if self._follower is None:
             return 0
+        if self.url:  # the writer's newer done-logs (each log after its shards: never ahead of them)
+            pull(self.url, self.root, data=False)
         added = self._follower.poll()
         self.index = self._follower.index
         self._handles.clear()  # array shapes grew; reopen lazily
@@ -174,6 +181,9 @@ class StoreReader:
         worker's time.
         """
         rows = [self.index.locate(int(s)) for s in sample_ids]
+        if self.url:
+            fetch(self.url, self.root, [str(shard_file("", key, a, shard)) for key, shard in self._shards(rows)
+                                        for a in self._tokens])
         if self.verify_shards:
             self._verify_rows(rows)
         if self._raw is not None:
@@ -195,26 +205,37 @@ class StoreReader:
             out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r]), quant_bits))
         return out
 
-    def _verify_rows(self, rows: list[int]) -> None:
-        rs = self.manifest.rows_per_shard
+    def _shards(self, rows: list[int]) -> list[tuple[str, int]]:
+        """(group key, shard) of every shard the index rows `rows` lie in, in order, each once."""
+        rs, out = self.manifest.rows_per_shard, {}
         for r in rows:
             key = self.index.groups[self.index.group[r]]
             start, n = int(self.index.start[r]), int(self.index.length[r])
             for shard in range(start // rs, (start + n - 1) // rs + 1):
-                if (key, shard) in self._verified:
-                    continue
+                out[(key, shard)] = None
+        return list(out)
+
+    def _verify_rows(self, rows: list[int]) -> None:
+        for key, shard in self._shards(rows):
+            if (key, shard) in self._verified:
+                continue
+            why = check_shard(self, key, shard, finite=False)
+            for _ in range(3 if why and (not self.finalized or self.url) else 0):
+                time.sleep(0.2)  # a tail shard swapped for its next flush mid-read: read it again
+                if self._raw is not None:
+                    self._raw.forget()  # the cached shard index may be the previous file's
+                if self.url:  # the local copy holds an older tail shard than the commit names: fetch again
+                    for a in self._tokens:
+                        (self.root / shard_file("", key, a, shard)).unlink(missing_ok=True)
+                    fetch(self.url, self.root, [str(shard_file("", key, a, shard)) for a in self._tokens])
                 why = check_shard(self, key, shard, finite=False)
-                for _ in range(3 if why and not self.finalized else 0):
-                    time.sleep(0.2)  # a tail shard swapped for its next flush mid-read: read it again
-                    if self._raw is not None:
-                        self._raw.forget()  # the cached shard index may be the previous file's
-                    why = check_shard(self, key, shard, finite=False)
-                    if not why:
-                        break
-                if why:
-                    raise CacheFormatError(f"{self.root / key} shard {shard}: {why}; the store is damaged "
-                                           f"(python -m cache_format verify {self.root})")
-                self._verified.add((key, shard))
+                if not why:
+                    break
+            if why:
+                where = f"{self.url}/{key}" if self.url else str(self.root / key)
+                raise CacheFormatError(f"{where} shard {shard}: {why}; the store is damaged "
+                                       f"(python -m cache_format verify {self.url or self.root})")
+            self._verified.add((key, shard))
 
     def _read_raw(self, r: int, quant_bits: bool) -> Sample:
         key = self.index.groups[self.index.group[r]]

@@ -1,0 +1,123 @@
+"""Stores on object storage, against a real S3-compatible server (moto's server mode, its own process):
+commit order, one writer by lease, reads that fetch only what they need, checksums on every fetch."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import obstore
+import pytest
+
+from cache_format import CacheFormatError, StoreReader
+from cache_format.layout import commit_log_path
+from cache_format.remote import LEASE_KEY, Lease, Mirror, open_bucket, pull
+from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTCACHE_STORE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _data_files(root) -> set[str]:
+    from cache_format.remote import _is_data
+
+    return {k for k in (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if _is_data(k)}
+
+
+def test_a_pushed_store_reads_back_by_url_fetching_only_the_shards_it_reads(tmp_path, object_server, cache):
+    m = make_manifest()
+    local = tmp_path / "s.zarr"
+    write_store(local, range(60), m)
+    url = object_server()
+    Mirror(local, url).push()
+    reader = StoreReader(url)
+    assert reader.url == url and reader.verify_shards and sorted(reader.sample_ids) == list(range(60))
+    assert not _data_files(reader.root)  # opening copied the metadata only
+    got = reader.get(7)
+    assert_sample_equal(got, make_sample(7, sample_length(7, m.max_len), m))
+    fetched = _data_files(reader.root)
+    assert fetched and fetched < _data_files(local)  # the shards of sample 7, not the store
+    for sid in range(60):
+        assert_sample_equal(reader.get(sid), make_sample(sid, sample_length(sid, m.max_len), m))
+    assert _data_files(reader.root) == _data_files(local)
+
+
+def test_a_reader_never_meets_a_commit_without_its_shard(tmp_path, object_server, cache):
+    """Pushed mid-write: every done-log line on the server names shards the server holds whole, though the
+    writer commits more between the push's log snapshot and its uploads."""
+    m = make_manifest()
+    local = tmp_path / "s.zarr"
+    write_store(local, range(30), m, finalize=False)
+    url = object_server()
+    mirror = Mirror(local, url)
+    real_put = mirror._put
+
+    def put_and_commit_more(key, data=None):  # a commit lands while the push is under way
+        real_put(key, data)
+        if "/c/" in key and not getattr(put_and_commit_more, "done", False):
+            put_and_commit_more.done = True
+            from cache_format import ShardWriter
+
+            with ShardWriter(local, writer_id=1) as w:
+                for i in range(100, 140):
+                    w.add(i, **make_sample(i, sample_length(i, m.max_len), m))
+
+    mirror._put = put_and_commit_more
+    mirror.push()
+    reader = StoreReader(url)
+    assert reader.url and not reader.finalized
+    for sid in reader.sample_ids:  # every committed sample on the server reads back, checked
+        assert_sample_equal(reader.get(int(sid)), make_sample(int(sid), sample_length(int(sid), m.max_len), m))
+    assert (commit_log_path(local, 1)).exists()
+    mirror._put = real_put
+    mirror.push()  # the next push brings the later commits
+    assert len(StoreReader(url)) == 70
+
+
+def test_a_damaged_object_is_refused_in_one_line(tmp_path, object_server, cache):
+    m = make_manifest()
+    local = tmp_path / "s.zarr"
+    write_store(local, range(20), m)
+    url = object_server()
+    Mirror(local, url).push()
+    bucket = open_bucket(url)
+    key = sorted(k for k in _data_files(local) if "/hidden/" in k)[0]
+    data = bytearray((local / key).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    obstore.put(bucket, key, bytes(data))
+    reader = StoreReader(url)
+    with pytest.raises(CacheFormatError) as e:
+        for sid in range(20):
+            reader.get(sid)
+    assert "shard" in str(e.value) and url in str(e.value) and "\n" not in str(e.value)
+
+
+def test_one_writer_per_store_by_lease_and_a_dead_writers_lease_expires(object_server):
+    url = object_server()
+    first = Lease(url, ttl=2.0).acquire()
+    with pytest.raises(CacheFormatError, match=r"being written by .*:\d+ \(its lease runs \d+ s more\)") as e:
+        Lease(url, ttl=2.0).acquire(wait=0.2)
+    assert "\n" not in str(e.value)
+    first.renew()  # alive: renewing keeps it
+    # a writer killed with -9 renews no more: its lease expires and the next writer takes it over
+    second = Lease(url, ttl=2.0).acquire(wait=5.0)
+    rec = json.loads(bytes(obstore.get(open_bucket(url), LEASE_KEY).bytes()))
+    assert rec["holder"] == second.holder and rec["expires"] > time.time()
+    with pytest.raises(CacheFormatError, match="taken by another writer"):
+        first.renew()  # the old holder finds out at its next renewal
+    second.release()
+    Lease(url, ttl=2.0).acquire(wait=0).release()  # released: free at once
+
+
+def test_a_writer_resumes_from_the_server_on_an_empty_staging_directory(tmp_path, object_server):
+    m = make_manifest()
+    url = object_server()
+    first = tmp_path / "first.zarr"
+    write_store(first, range(25), m, finalize=False)
+    Mirror(first, url).push()
+    again = pull(url, tmp_path / "elsewhere.zarr", data=True)  # another machine's staging directory
+    assert _data_files(again) == _data_files(first)
+    assert (again / "commits").is_dir() and StoreReader(again).sample_ids.tolist() == StoreReader(first).sample_ids.tolist()
