@@ -13,6 +13,7 @@ from cache_format.checksums import check_checksums
 from cache_format.codec import checksum
 from cache_format.errors import CacheFormatError
 from cache_format.reader import StoreReader, check_shard
+from cache_format.remote import default_local, is_url, object_sizes, pull
 
 __all__ = ["inspect_store", "verify_store"]
 
@@ -26,6 +27,7 @@ def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
     r = StoreReader(path)
     m = r.manifest
     buckets, lengths = r.buckets(), r.lengths()
+    sizes = object_sizes(r.url) if r.url else None  # a remote store's local copy lacks its shards
     out_buckets = []
     for b in range(m.num_buckets):
         lo, hi = m.bucket_range(b)
@@ -34,7 +36,12 @@ def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
                             "num_tokens": int(lengths[sel].sum())})
     complete = sum(1 for g in r.index.shards.values() for e in g.values() if e["rows"] == m.rows_per_shard)
     incomplete = sum(len(g) for g in r.index.shards.values()) - complete
-    data_bytes = sum(_disk_bytes(Path(r.root) / key) for key in r.index.groups)
+    if sizes is None:
+        data_bytes, disk_bytes = sum(_disk_bytes(Path(r.root) / key) for key in r.index.groups), _disk_bytes(Path(r.root))
+    else:
+        groups = set(r.index.groups)
+        data_bytes = sum(n for k, n in sizes.items() if "/".join(k.split("/")[:2]) in groups)
+        disk_bytes = sum(sizes.values())
     num_tokens = int(lengths.sum())
     logical = num_tokens * m.bytes_per_token()
     manifest = m.to_dict()
@@ -42,7 +49,7 @@ def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
     state = _state(r)
     keys = r.prompt_keys()
     return {
-        "path": str(r.root),
+        "path": r.url or str(r.root),
         "format_version": m.format_version,
         "finalized": bool(state.get("finalized")),
         "num_samples": int(len(r)),
@@ -50,7 +57,7 @@ def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
         "num_prompts": None if keys is None else int(len(np.unique(keys))),
         "bytes_per_token": (data_bytes / num_tokens) if num_tokens else 0.0,
         "logical_bytes_per_token": m.bytes_per_token(),
-        "disk_bytes": _disk_bytes(Path(r.root)),
+        "disk_bytes": disk_bytes,
         "compression_ratio": (logical / data_bytes) if data_bytes else 1.0,
         "buckets": out_buckets,
         "shards": {"complete": complete, "incomplete": incomplete},
@@ -67,7 +74,10 @@ def _state(r: StoreReader) -> dict[str, Any]:
 
 def verify_store(path: str | os.PathLike) -> dict[str, Any]:
     """Recompute every shard checksum and every file's (checksums.json); check offsets, lengths,
-    finiteness and duplicate ids."""
+    finiteness and duplicate ids. A URL: the whole store is downloaded into its cache directory
+    first (cache_format.remote) and that copy verified."""
+    if is_url(path):
+        path = pull(str(path), default_local(str(path)), data=True)
     bad_files = [{"file": f, "reason": why} for f, why in check_checksums(path)]
     try:
         r = StoreReader(path)

@@ -163,6 +163,10 @@ class StoreReader:
     def group_tokens(self, key: str) -> dict[str, np.ndarray]:
         """input_ids [N] and loss_mask [N] of a whole length group (index rows point into them by
         start and length): the token arrays only, for passes over the data that need no states."""
+        if self.url:  # a remote store's token arrays are fetched first (zarr reads a missing chunk as zeros)
+            rows = np.flatnonzero(self.index.group == self.index.groups.index(key)).tolist()
+            fetch(self.url, self.root, [str(shard_file("", k, a, shard)) for k, shard in self._shards(rows)
+                                        for a in self._tokens if a.name in ("input_ids", "loss_mask")])
         arrays = self._group(key)
         try:
             return {name: arrays[name][...] for name in ("input_ids", "loss_mask")}

@@ -28,7 +28,10 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,8 @@ from obstore.store import from_url
 
 from cache_format.errors import CacheFormatError
 
-__all__ = ["LEASE_KEY", "Lease", "Mirror", "cache_root", "fetch", "is_url", "local_copy", "open_bucket", "pull"]
+__all__ = ["LEASE_KEY", "Lease", "Mirror", "cache_root", "clear", "default_local", "fetch", "is_url", "lease_gone",
+           "local_copy", "object_sizes", "open_bucket", "pull", "writing_to"]
 
 LEASE_KEY = "LEASE.json"
 _ALWAYS_FRESH = ("zarr.json", "checksums.json")  # rewritten in place by finalize; re-read at every open
@@ -89,6 +93,11 @@ def _listing(bucket, url: str) -> dict[str, int]:
         return {o["path"]: int(o["size"]) for batch in obstore.list(bucket) for o in batch}
     except Exception as e:  # noqa: BLE001
         raise CacheFormatError(f"{url}: cannot list the store ({_brief(e)})") from None
+
+
+def object_sizes(url: str) -> dict[str, int]:
+    """{key: bytes} of every object of the store at `url` (inspect's disk figures)."""
+    return _listing(open_bucket(url), url)
 
 
 def _download(bucket, url: str, key: str, dst: Path) -> None:
@@ -206,6 +215,20 @@ class Lease:
             self.etag = None
 
 
+def lease_gone(url: str) -> str | None:
+    """Why the writer of the store at `url` is known to be gone: its lease has expired (not renewed
+    for its time to live) or was released without a finalize; None while it is renewed."""
+    try:
+        got = obstore.get(open_bucket(url), LEASE_KEY)
+        rec = json.loads(bytes(got.bytes()))
+    except (FileNotFoundError, NotFoundError):
+        return "no writer holds its lease"
+    except Exception:  # noqa: BLE001 - unreadable now: not known to be gone
+        return None
+    late = time.time() - float(rec.get("expires", 0))
+    return f"its writer's lease ({rec.get('holder', '?')}) expired {late:.0f} s ago" if late > 0 else None
+
+
 class Mirror:
     """Copies a local store up to `url` in commit order (see the module doc), each file only when
     it changed since the last push."""
@@ -241,7 +264,11 @@ class Mirror:
         self.bytes_sent += len(data)
 
     def push(self) -> None:
-        """One pass: done-log snapshots, then shards, then the snapshots, the rest, the root last."""
+        """One pass: the root zarr.json (the first time); done-log snapshots; then the shards and the arrays' metadata (their shapes grow
+        with the rows written), read now, so at least as new as the snapshots; then the snapshots;
+        the rest; the root zarr.json last."""
+        if "zarr.json" not in self.sent:  # the root first, once: what a resume looks for to know a store is there
+            self._put("zarr.json")
         logs = {}
         for p in sorted((self.local / "commits").glob("*.jsonl")):
             raw = p.read_bytes()
@@ -250,10 +277,73 @@ class Mirror:
         for key in files:
             if _is_data(key):
                 self._put(key)
+        for key in files:
+            if key.endswith("zarr.json") and key != "zarr.json":
+                self._put(key)
         for key, raw in logs.items():
             if self.sent.get(key, (-1,))[0] != len(raw):
                 self._put(key, raw)
         for key in files:
-            if not _is_data(key) and key not in logs and key != "zarr.json":
+            if not _is_data(key) and key not in logs and not key.endswith("zarr.json"):
                 self._put(key)
         self._put("zarr.json")
+
+
+def clear(url: str, bucket=None) -> None:
+    """Delete every object of the store at `url` but the lease (extract --overwrite)."""
+    bucket = bucket or open_bucket(url)
+    keys = [k for k in _listing(bucket, url) if k != LEASE_KEY]
+    try:
+        for i in range(0, len(keys), 1000):
+            obstore.delete(bucket, keys[i:i + 1000])
+    except Exception as e:  # noqa: BLE001
+        raise CacheFormatError(f"{url}: cannot delete the old store ({_brief(e)})") from None
+
+
+@contextmanager
+def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwrite: bool = False) -> Iterator[Mirror]:
+    """Write a store to `url` through the local directory `local`: take the lease (waiting out a killed
+    writer's), clear the old store with `overwrite` or else download what `local` lacks (a resume on
+    another machine), then push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
+    more on the way out, finished or not, so that a resume finds every commit; release the lease."""
+    lease = Lease(url, ttl=ttl).acquire()
+    try:
+        there = set(_listing(lease.bucket, url)) - {LEASE_KEY}
+        if there and "zarr.json" not in there and not overwrite:  # our root goes up first: not a store of ours
+            raise CacheFormatError(f"{url}: holds {len(there)} objects but no draftcache store; choose an empty "
+                                   "prefix, or --overwrite to delete them")
+        if overwrite:
+            clear(url, lease.bucket)
+        elif there:
+            pull(url, local, data=True, bucket=lease.bucket)
+    except BaseException:
+        lease.release()
+        raise
+    mirror, stop, errors = Mirror(local, url, bucket=lease.bucket), threading.Event(), []
+
+    def loop() -> None:
+        while not stop.wait(ttl / 6):
+            try:
+                mirror.push()
+                lease.renew()
+            except CacheFormatError as e:
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=loop, name="draftcache-mirror", daemon=True)
+    thread.start()
+    failed = True
+    try:
+        yield mirror
+        failed = False
+    finally:
+        stop.set()
+        thread.join()
+        try:
+            if not errors:
+                mirror.push()
+        except CacheFormatError as e:
+            errors.append(e)
+        lease.release()
+        if errors and not failed:
+            raise errors[0]

@@ -15,7 +15,14 @@ __all__ = ["ExtractConfig"]
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
     store: str
-    """Output store directory (a zarr v3 group); /dev/shm or NVMe for speed."""
+    """Output store directory (a zarr v3 group); /dev/shm or NVMe for speed. Or a URL (s3://bucket/prefix):
+    written in --stage-dir and mirrored there as shards commit (all ranks on one node)."""
+    stage_dir: str = ""
+    """Local directory a store on object storage is written in before upload (default: its cache
+    directory under $DRAFTCACHE_STORE_CACHE or ~/.cache/draftcache/stores)."""
+    lease_ttl: float = 60.0
+    """Seconds a store on object storage stays locked after its writer stops renewing its lease (a
+    killed writer): a resumed run waits at most this long; renewed every sixth of it."""
     target: str = ""
     """HF causal-LM directory or .gguf file; empty = the packaged SmolLM2-135M-Instruct GGUF."""
     data: str = ""
@@ -74,6 +81,8 @@ class ExtractConfig:
     def __post_init__(self) -> None:
         if not self.store:
             raise ValueError("store path is required")
+        if not self.lease_ttl > 0:
+            raise ValueError(f"lease_ttl must be > 0 seconds, got {self.lease_ttl}")
         _ = self.template_kwargs  # refuses text that is not a JSON object
         if self.num_taps < 1:
             raise ValueError(f"num_taps must be >= 1, got {self.num_taps}")

@@ -7,6 +7,7 @@ loop never waits on the disk; rank 0 finalizes once every rank has closed its wr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -31,6 +32,7 @@ from cache_format.checksums import record_checksums, sha256_file
 from cache_format.codec import QUANTIZED
 from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
+from cache_format.remote import default_local, is_url, writing_to
 from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
 from cache_format.target import frozen_parts, load_target, mask_token_of
 from cache_format.world import World
@@ -120,6 +122,8 @@ def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter, worl
 def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
     """Extract `cfg.data` into `cfg.store`; returns the closing summary (rank 0's is complete)."""
     world = world or World.from_env()
+    if is_url(cfg.store):
+        return _run_to_url(cfg, world)
     device = world.join()
     t0 = time.time()
     # one writing run per store: refused at once, before the target loads (cache_format/lock.py)
@@ -133,6 +137,19 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
         return _run_locked(cfg, world, device, t0)
     finally:
         lock.release()
+
+
+def _run_to_url(cfg: ExtractConfig, world: World) -> dict:
+    """A store on object storage: written locally in the stage directory as always, mirrored up by
+    rank 0 (cache_format.remote.writing_to: lease, resume from the server, commit-ordered pushes).
+    The other ranks write into the same stage directory: one node."""
+    stage = Path(cfg.stage_dir) if cfg.stage_dir else default_local(cfg.store)
+    local = dataclasses.replace(cfg, store=str(stage), stage_dir="")
+    if world.rank != 0:  # they wait at run's first barrier for rank 0's lease and download
+        return run(local, world=world)
+    with writing_to(cfg.store, stage, ttl=cfg.lease_ttl, overwrite=cfg.overwrite):
+        summary = run(local, world=world)
+    return {**summary, "store": cfg.store, "stage_dir": str(stage)} if summary else summary
 
 
 def _check_data_file(path: str) -> None:

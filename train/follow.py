@@ -27,13 +27,15 @@ class WriterWatch:
     """Gives up on a store whose writer is gone: a follower waiting for samples or for the finalize
     that will never come stops with one line after `timeout` seconds (0 = waits forever)."""
 
-    def __init__(self, root: Path, timeout: float) -> None:
+    def __init__(self, root: str | Path, timeout: float) -> None:
         self.root, self.timeout, self.since = root, timeout, None
 
     def check(self) -> None:
         from cache_format.lock import writer_gone
+        from cache_format.remote import is_url, lease_gone
 
-        why = writer_gone(self.root) if self.timeout else None
+        gone = lease_gone if is_url(self.root) else writer_gone
+        why = gone(str(self.root)) if self.timeout else None
         if why is None:
             self.since = None
             return

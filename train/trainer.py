@@ -23,6 +23,7 @@ from cache_format import StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
 from cache_format.cli import to_toml
 from cache_format.lock import StoreLock
+from cache_format.remote import is_url
 from cache_format.world import World
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint
 from train.config import RESUME_FREE, TrainConfig
@@ -101,15 +102,15 @@ def _past(deadline: float, device: torch.device, world: int) -> bool:
 
 def _open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     """The store, checked: finalized (unless following), creation files intact, holding what the loss needs."""
-    if cfg.follow:  # started beside stage one: the store may not exist yet
+    if cfg.follow and not is_url(cfg.store):  # started beside stage one: the store may not exist yet
         wait_for_store(Path(cfg.store), announce=rank == 0, watch=watch)
-    reader = StoreReader(cfg.store)
+    reader = StoreReader(cfg.store)  # a URL: its metadata copied into the local cache, shards fetched on use
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
                          "pass --follow to train while it is written")
-    damaged = check_checksums(cfg.store, only=CREATION_FILES)  # the frozen weights, prompt keys, manifest
+    damaged = check_checksums(reader.root, only=CREATION_FILES)  # the frozen weights, prompt keys, manifest
     if damaged:
-        raise ValueError(f"{Path(cfg.store) / damaged[0][0]}: {damaged[0][1]}; the store is damaged "
+        raise ValueError(f"{cfg.store}/{damaged[0][0]}: {damaged[0][1]}; the store is damaged "
                          f"(python -m cache_format verify {cfg.store} lists every problem)")
     if cfg.loss != "ce" and not reader.manifest.last_hidden:
         raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
@@ -133,7 +134,7 @@ class Trainer:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(cfg.seed)
 
-        self.watch = WriterWatch(Path(cfg.store), cfg.follow_timeout)  # gives up on a store whose writer is gone
+        self.watch = WriterWatch(cfg.store, cfg.follow_timeout)  # gives up on a store whose writer is gone
         self.reader = _open_store(cfg, self.rank, self.watch)
         m = self.reader.manifest
         self.dc, tap_index = drafter_config(cfg, self.reader)
@@ -254,7 +255,7 @@ class Trainer:
         steps = self.steps_in(epoch, view)
         micro = [mb for s in steps[first:] for mb in s[self.rank * ga:(self.rank + 1) * ga]]
         keys = [(first + i // ga) * self.world * ga + self.rank * ga + i % ga for i in range(len(micro))]
-        ds = BatchDataset(cfg.store, micro, keys, self.collate, seed=cfg.seed, epoch=epoch,
+        ds = BatchDataset(str(self.reader.root), micro, keys, self.collate, seed=cfg.seed, epoch=epoch, remote=self.reader.url,
                           verify_shards=cfg.check_shards)
         dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,
                                          pin_memory=self.device.type == "cuda",
@@ -270,7 +271,8 @@ class Trainer:
         # an anchor at every response position, so decoding can be replayed along the stored responses
         # (train.replay); the same blocks at every evaluation
         every = dataclasses.replace(self.collate, num_anchors=int(r.lengths()[held].max(initial=1)))
-        return BatchDataset(self.cfg.store, micro, list(range(len(micro))), every, seed=self.cfg.seed,
+        return BatchDataset(str(self.reader.root), micro, list(range(len(micro))), every, seed=self.cfg.seed,
+                            remote=self.reader.url,
                             epoch=-1, verify_shards=self.cfg.check_shards)
 
     # ------------------------------------------------------------------ the steps

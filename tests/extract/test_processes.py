@@ -162,3 +162,51 @@ def test_target_without_tokenizer_and_empty_data_are_one_line(tmp_path, llama, c
     assert code == 2 and f"error: {empty}: the data file holds no records" in out, out
     assert not (tmp_path / "s2.zarr").exists()
 
+
+
+@pytest.mark.slow
+def test_a_store_on_object_storage_survives_sigkill_resumes_elsewhere_and_trains(tmp_path, llama, object_server,
+                                                                                monkeypatch):
+    """--store s3://...: killed with -9 once the server holds commits, resumed from an empty staging
+    directory (another machine), equal to an uninterrupted local run; inspect, verify and training
+    read it by URL."""
+    import obstore
+
+    from cache_format.remote import open_bucket
+    from train.config import TrainConfig
+    from train.trainer import train
+
+    monkeypatch.setenv("DRAFTCACHE_STORE_CACHE", str(tmp_path / "cache"))
+    url, ref = object_server(), tmp_path / "ref.zarr"
+    data = write_chats(tmp_path / "many.jsonl", 120, seed=1)
+    ttl = ["--lease-ttl", "3"]  # pushes every 0.5 s; a killed writer's lease is free 3 s later
+    p = _cli(_cli_args(url, llama, data, "--token-budget", "256", "--stage-dir", str(tmp_path / "stage1"), *ttl))
+    bucket, deadline = open_bucket(url), time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        try:
+            log = bytes(obstore.get(bucket, "commits/w00000.jsonl").bytes())
+        except Exception:  # noqa: BLE001 - not pushed yet
+            log = b""
+        if log.count(b"\n") >= 3:
+            p.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL, "extraction finished before it could be killed"
+    code, out = _cli_here(_cli_args(url, llama, data, "--stage-dir", str(tmp_path / "stage2"), *ttl, "--json"))
+    assert code == 0, out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["store"] == url and summary["already_committed"] > 0
+    run(extract_cfg(ref, llama, data))
+    assert_same_content(content(url), content(ref), exact=False)
+    assert verify_store(url)["ok"]
+    from click.testing import CliRunner
+
+    from cache_format.__main__ import cli
+
+    res = CliRunner().invoke(cli, ["inspect", url, "--json"])
+    info = json.loads(res.output)
+    assert res.exit_code == 0 and info["path"] == url and info["finalized"] and info["disk_bytes"] > 0
+    out = train(TrainConfig(store=url, out=str(tmp_path / "run"), max_steps=4, token_budget=512, log_every=2,
+                            val_samples=0, workers=1))
+    assert out["steps"] == 4
