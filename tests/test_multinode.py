@@ -22,13 +22,13 @@ from train.trainer import train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _two_nodes(module_args: list[str]) -> None:
+def _two_nodes(module_args: list[str], node_env: list[dict[str, str]] | None = None) -> None:
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    envs = [dict(os.environ, PYTHONPATH=str(ROOT), **(node_env[i] if node_env else {})) for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dc-test",
-                               *module_args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for _ in range(2)]
+                               *module_args], cwd=ROOT, env=envs[i], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
     outs = [p.communicate(timeout=400)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-3000:]
@@ -57,3 +57,38 @@ def test_two_nodes_extract_and_train_equal_one_node(tmp_path):
     wb, _, _ = load_checkpoint(latest_checkpoint(tmp_path / "r2"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_two_nodes_train_from_object_storage_each_into_its_own_cache(tmp_path, object_server):
+    """No shared filesystem: the store lives on the object server; each node copies its metadata and
+    fetches only the shards of the samples it reads, into a cache of its own; the weights equal one
+    node's trained from the local store."""
+    from cache_format.remote import Mirror, _is_data
+
+    target = tiny_target_dir(tmp_path / "t", "qwen3")
+    data = write_chats(tmp_path / "d.jsonl", 60, cyclic=True)
+    local = tmp_path / "one.zarr"
+    extract(ExtractConfig(store=str(local), target=target, data=data, layers=(0, 2, 4), max_len=256, min_supervised=4,
+                          token_budget=512, rows_per_shard=32))
+    url = object_server()
+    Mirror(local, url).push()
+    targs = dict(num_layers=1, block_size=4, num_anchors=16, epochs=50, token_budget=512, lr=3e-3, log_every=1,
+                 workers=0, seed=3, max_steps=2)
+    train(TrainConfig(store=str(local), out=str(tmp_path / "r1"), grad_accum=2, **targs))
+    caches = [tmp_path / "node0-cache", tmp_path / "node1-cache"]
+    _two_nodes(["-m", "train", "--store", url, "--out", str(tmp_path / "r2"), "--num-layers", "1", "--block-size", "4",
+                "--num-anchors", "16", "--epochs", "50", "--token-budget", "512", "--lr", "3e-3", "--log-every", "1",
+                "--workers", "0", "--seed", "3", "--max-steps", "2"],
+               node_env=[{"DRAFTCACHE_STORE_CACHE": str(c)} for c in caches])
+    wa, _, _ = load_checkpoint(latest_checkpoint(tmp_path / "r1"))
+    wb, _, _ = load_checkpoint(latest_checkpoint(tmp_path / "r2"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
+    store_data = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
+    store_data = {k for k in store_data if _is_data(k)}
+    for c in caches:
+        (copy,) = [d for d in c.iterdir() if d.is_dir()]
+        got = {p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()}
+        fetched = {k for k in got if _is_data(k)}
+        assert fetched and fetched < store_data, (len(fetched), len(store_data))  # only what its samples needed
