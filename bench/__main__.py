@@ -26,6 +26,7 @@ SUITES = {
     "layout": ("bench.layout_bench", "extract on GPU 0 while `train --follow` trains on GPU 1"),
     "layout-model": ("bench.layout_model", "the 8-GPU layout model from measured rates (a projection)"),
     "codec": ("bench.codec_bench", "bytes, error and lossless compression of bf16, fp8 and mxfp4 on real states (CPU)"),
+    "objstore": ("bench.object_store_bench", "write and read GB/s of a store on an S3 server vs the local filesystem"),
     "worker": ("bench.worker_bench", "one DataLoader worker's seconds per micro-batch (CPU)"),
     "regen": ("bench.regen_bench", "regeneration engines side by side (static, HF generate, continuous batching)"),
     "openai": ("bench.openai_bench", "the openai engine against a local `transformers serve`"),
