@@ -215,6 +215,22 @@ class Lease:
             self.etag = None
 
 
+def _complete_shards(local: Path, logs: dict[str, bytes]) -> list[str]:
+    """The data files (relative keys) of the complete shards that the done-log snapshots commit."""
+    from cache_format.layout import group_key, read_manifest, shard_file, token_arrays
+
+    m = read_manifest(local)
+    out = []
+    for key, raw in logs.items():
+        writer = int(Path(key).stem[1:])
+        for line in raw.splitlines():
+            e = json.loads(line) if line.strip() else {}
+            if e.get("rows") == m.rows_per_shard:
+                out += [shard_file("", group_key(writer, e["bucket"]), a, e["shard"]).as_posix()
+                        for a in token_arrays(m)]
+    return out
+
+
 def lease_gone(url: str) -> str | None:
     """Why the writer of the store at `url` is known to be gone: its lease has expired (not renewed
     for its time to live) or was released without a finalize; None while it is renewed."""
@@ -233,8 +249,11 @@ class Mirror:
     """Copies a local store up to `url` in commit order (see the module doc), each file only when
     it changed since the last push."""
 
-    def __init__(self, local: str | os.PathLike, url: str, *, bucket=None) -> None:
-        self.local, self.url = Path(local), url
+    def __init__(self, local: str | os.PathLike, url: str, *, bucket=None, evict: bool = False) -> None:
+        """evict: delete the local files of complete shards once they and the done-log line that
+        commits them are on the server (the writer never reads a complete shard again), so the
+        staging directory holds the tail shards and metadata, not the store."""
+        self.local, self.url, self.evict = Path(local), url, evict
         self.bucket = bucket or open_bucket(url)
         self.sent: dict[str, tuple[int, int]] = {}  # key -> (size, mtime_ns) last uploaded
         self.bytes_sent = 0
@@ -247,7 +266,7 @@ class Mirror:
         return sorted(out)
 
     def _put(self, key: str, data: bytes | None = None) -> None:
-        p = self.local / key
+        p, snapshot = self.local / key, data is not None
         try:
             stat = p.stat()
             if data is None:
@@ -260,8 +279,18 @@ class Mirror:
         except Exception as e:  # noqa: BLE001
             raise CacheFormatError(f"{self.url}/{key}: upload failed ({_brief(e)})") from None
         # a done-log snapshot is recorded by its length (the file may have grown since)
-        self.sent[key] = (stat.st_size, stat.st_mtime_ns) if data is None else (len(data), -1)
+        self.sent[key] = (len(data), -1) if snapshot else (stat.st_size, stat.st_mtime_ns)
         self.bytes_sent += len(data)
+
+    def _evict(self, logs: dict[str, bytes]) -> None:
+        for key in _complete_shards(self.local, logs):
+            p = self.local / key
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue  # evicted before
+            if self.sent.get(key) == (st.st_size, st.st_mtime_ns):  # on the server as it is here
+                p.unlink()
 
     def push(self) -> None:
         """One pass: the root zarr.json (the first time); done-log snapshots; then the shards and the arrays' metadata (their shapes grow
@@ -283,6 +312,8 @@ class Mirror:
         for key, raw in logs.items():
             if self.sent.get(key, (-1,))[0] != len(raw):
                 self._put(key, raw)
+        if self.evict:
+            self._evict(logs)
         for key in files:
             if not _is_data(key) and key not in logs and not key.endswith("zarr.json"):
                 self._put(key)
@@ -305,7 +336,8 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
     """Write a store to `url` through the local directory `local`: take the lease (waiting out a killed
     writer's), clear the old store with `overwrite` or else download what `local` lacks (a resume on
     another machine), then push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
-    more on the way out, finished or not, so that a resume finds every commit; release the lease."""
+    more on the way out, finished or not, so that a resume finds every commit; release the lease.
+    Complete shards leave `local` once they are on the server (Mirror's evict)."""
     lease = Lease(url, ttl=ttl).acquire()
     try:
         there = set(_listing(lease.bucket, url)) - {LEASE_KEY}
@@ -319,7 +351,7 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
     except BaseException:
         lease.release()
         raise
-    mirror, stop, errors = Mirror(local, url, bucket=lease.bucket), threading.Event(), []
+    mirror, stop, errors = Mirror(local, url, bucket=lease.bucket, evict=True), threading.Event(), []
 
     def loop() -> None:
         while not stop.wait(ttl / 6):

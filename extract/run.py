@@ -149,7 +149,13 @@ def _run_to_url(cfg: ExtractConfig, world: World) -> dict:
         return run(local, world=world)
     with writing_to(cfg.store, stage, ttl=cfg.lease_ttl, overwrite=cfg.overwrite):
         summary = run(local, world=world)
-    return {**summary, "store": cfg.store, "stage_dir": str(stage)} if summary else summary
+    if not summary:
+        return summary
+    from cache_format.inspect import inspect_store
+
+    info = inspect_store(cfg.store)  # the stage no longer holds the complete shards: the server's figures
+    return {**summary, "store": cfg.store, "stage_dir": str(stage), "bytes_per_token": info["bytes_per_token"],
+            "store_bytes": info["disk_bytes"]}
 
 
 def _check_data_file(path: str) -> None:

@@ -121,3 +121,33 @@ def test_a_writer_resumes_from_the_server_on_an_empty_staging_directory(tmp_path
     again = pull(url, tmp_path / "elsewhere.zarr", data=True)  # another machine's staging directory
     assert _data_files(again) == _data_files(first)
     assert (again / "commits").is_dir() and StoreReader(again).sample_ids.tolist() == StoreReader(first).sample_ids.tolist()
+
+
+def test_pushed_complete_shards_leave_the_staging_directory_and_writing_goes_on(tmp_path, object_server, cache):
+    """With evict, the stage keeps the tail shards and metadata only; the writer goes on writing there,
+    and the server holds every sample."""
+    from cache_format import ShardWriter
+    from cache_format.index import finalize_store
+
+    m = make_manifest()
+    local = tmp_path / "s.zarr"
+    write_store(local, range(40), m, finalize=False)
+    url = object_server()
+    mirror = Mirror(local, url, evict=True)
+    everything = _data_files(local)
+    mirror.push()
+    left = _data_files(local)
+    assert left < everything  # complete shards went
+    reader = StoreReader(local)
+    tails = {k for k in everything for key, e in ((g, e) for g, d in reader.index.shards.items() for e in d.values())
+             if e["rows"] < m.rows_per_shard and k.startswith(f"{key}/") and f"/c/{e['shard']}" in k}
+    assert tails and tails <= left
+    with ShardWriter(local, writer_id=0) as w:  # the writer resumes on the thinned stage
+        for i in range(40, 70):
+            w.add(i, **make_sample(i, sample_length(i, m.max_len), m))
+    finalize_store(local, m)
+    mirror.push()
+    remote = StoreReader(url)
+    assert remote.finalized and sorted(remote.sample_ids.tolist()) == list(range(70))
+    for sid in range(70):
+        assert_sample_equal(remote.get(sid), make_sample(sid, sample_length(sid, m.max_len), m))
