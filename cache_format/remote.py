@@ -231,6 +231,27 @@ def _complete_shards(local: Path, logs: dict[str, bytes]) -> list[str]:
     return out
 
 
+def _committed_ends(local: Path, logs: dict[str, bytes]) -> list[str]:
+    """The data files of the shard each writer's committed rows end inside, per bucket: a resuming
+    writer reads that shard's committed rows back into its buffer (ShardWriter._recover), and it may
+    be a complete shard (a sample that began in it was not committed)."""
+    from cache_format.layout import group_key, read_manifest, shard_file, token_arrays
+
+    m = read_manifest(local)
+    out = []
+    for key, raw in logs.items():
+        writer, rows = int(Path(key).stem[1:]), {}
+        for line in raw.splitlines():
+            e = json.loads(line) if line.strip() else {}
+            for _, n in e.get("samples", []):
+                rows[e["bucket"]] = rows.get(e["bucket"], 0) + int(n)
+        for bucket, n in rows.items():
+            if n % m.rows_per_shard:
+                out += [shard_file("", group_key(writer, bucket), a, n // m.rows_per_shard).as_posix()
+                        for a in token_arrays(m)]
+    return out
+
+
 def lease_gone(url: str) -> str | None:
     """Why the writer of the store at `url` is known to be gone: its lease has expired (not renewed
     for its time to live) or was released without a finalize; None while it is renewed."""
@@ -296,6 +317,8 @@ class Mirror:
         """One pass: the root zarr.json (the first time); done-log snapshots; then the shards and the arrays' metadata (their shapes grow
         with the rows written), read now, so at least as new as the snapshots; then the snapshots;
         the rest; the root zarr.json last."""
+        if not (self.local / "zarr.json").exists():
+            return  # not created yet (the first push of an extraction can come before create_store)
         if "zarr.json" not in self.sent:  # the root first, once: what a resume looks for to know a store is there
             self._put("zarr.json")
         logs = {}
@@ -334,8 +357,8 @@ def clear(url: str, bucket=None) -> None:
 @contextmanager
 def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwrite: bool = False) -> Iterator[Mirror]:
     """Write a store to `url` through the local directory `local`: take the lease (waiting out a killed
-    writer's), clear the old store with `overwrite` or else download what `local` lacks (a resume on
-    another machine), then push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
+    writer's), clear the old store with `overwrite` or else download its metadata, done-logs and tail
+    shards (a resume, on this machine or another), then push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
     more on the way out, finished or not, so that a resume finds every commit; release the lease.
     Complete shards leave `local` once they are on the server (Mirror's evict)."""
     lease = Lease(url, ttl=ttl).acquire()
@@ -346,8 +369,12 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
                                    "prefix, or --overwrite to delete them")
         if overwrite:
             clear(url, lease.bucket)
-        elif there:
-            pull(url, local, data=True, bucket=lease.bucket)
+        elif there:  # a resume: the metadata, done-logs and tail shards (a writer never reads a complete one)
+            pull(url, local, data=False, bucket=lease.bucket)
+            logs = {f"commits/{p.name}": p.read_bytes() for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
+            complete = set(_complete_shards(Path(local), logs))
+            needed = {k for k in there if _is_data(k) and k not in complete} | set(_committed_ends(Path(local), logs))
+            fetch(url, Path(local), sorted(needed & there), lease.bucket)
     except BaseException:
         lease.release()
         raise

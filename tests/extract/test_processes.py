@@ -165,11 +165,12 @@ def test_target_without_tokenizer_and_empty_data_are_one_line(tmp_path, llama, c
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("resume_stage", ["stage2", "stage1"])
 def test_a_store_on_object_storage_survives_sigkill_resumes_elsewhere_and_trains(tmp_path, llama, object_server,
-                                                                                monkeypatch):
+                                                                                monkeypatch, resume_stage):
     """--store s3://...: killed with -9 once the server holds commits, resumed from an empty staging
-    directory (another machine), equal to an uninterrupted local run; inspect, verify and training
-    read it by URL."""
+    directory (another machine) or from the killed run's own, thinned by eviction (the same machine),
+    equal to an uninterrupted local run; inspect, verify and training read it by URL."""
     import obstore
 
     from cache_format.remote import open_bucket
@@ -193,7 +194,7 @@ def test_a_store_on_object_storage_survives_sigkill_resumes_elsewhere_and_trains
         time.sleep(0.05)
     p.wait()
     assert p.returncode == -signal.SIGKILL, "extraction finished before it could be killed"
-    code, out = _cli_here(_cli_args(url, llama, data, "--stage-dir", str(tmp_path / "stage2"), *ttl, "--json"))
+    code, out = _cli_here(_cli_args(url, llama, data, "--stage-dir", str(tmp_path / resume_stage), *ttl, "--json"))
     assert code == 0, out
     summary = json.loads(out[out.index("{"):])
     assert summary["store"] == url and summary["already_committed"] > 0
