@@ -65,19 +65,28 @@ class MetricsLog:
             self._wb.finish()
 
 
+def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, row) of each sound row of a metrics file; a torn last line of a killed run, or any line
+    damaged otherwise (not JSON, not UTF-8, no integer step), is left out: the metrics are a record,
+    never a reason for a run to fail."""
+    out = []
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            out.append((line, row))
+    return out
+
+
 def trim_metrics(run: str | os.PathLike, step: int) -> None:
     """Keep only the rows of steps <= `step` (the step training restarts from; 0 = a fresh run), so
     a resumed run's curve has each step once. Rewritten whole: a temp file and a rename."""
     path = Path(run) / "metrics.jsonl"
     if not path.exists():
         return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a torn last line of a killed run
+    keep = [line for line, row in _rows(path) if row["step"] <= step]
     tmp = path.with_suffix(".jsonl.partial")
     tmp.write_text("".join(x + "\n" for x in keep))
     os.replace(tmp, path)
@@ -91,7 +100,7 @@ def plot_metrics(run: str | os.PathLike) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [row for _, row in _rows(Path(run) / "metrics.jsonl")]
     out = []
     for key, label in (("loss", "loss"), ("sim_tau", "teacher-forced expected acceptance τ")):
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -90,6 +89,15 @@ def _check_resume(cfg: TrainConfig, saved: dict[str, Any], store_identity: str) 
     diffs = [f"{k}: checkpoint has {old.get(k)!r}, now {now[k]!r}" for k in now if k not in RESUME_FREE and old.get(k) != now[k]]
     if diffs:
         raise ValueError(f"cannot resume {cfg.out}: config differs ({'; '.join(diffs)})")
+
+
+def _best_state(ck: Path) -> dict[str, Any]:
+    """The best checkpoint's step and score, checked like any checkpoint (a damaged one: one line naming it)."""
+    _, _, state = load_checkpoint(ck)
+    if not isinstance(state.get("step"), int) or BEST_BY not in state:
+        raise ValueError(f"{ck / 'state.json'}: not a best checkpoint's state (no step or {BEST_BY}); "
+                         "move it aside to resume")
+    return state
 
 
 def _past(deadline: float, device: torch.device, world: int) -> bool:
@@ -176,7 +184,7 @@ class Trainer:
                               config={k: self.record[k] for k in ("train", "drafter")})
         self.val_ds = self._holdout_dataset()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
-        best = json.loads((best_ck / "state.json").read_text()) if best_ck else {"step": self.step, BEST_BY: float("-inf")}
+        best = _best_state(best_ck) if best_ck else {"step": self.step, BEST_BY: float("-inf")}
         self.best_score = best[BEST_BY]
         self.stale = max(0, self.step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
         self.stats = StepStats(cfg.block_size, self.device)

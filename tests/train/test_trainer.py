@@ -445,3 +445,36 @@ def test_the_last_steps_are_logged_when_the_epochs_end_between_log_rows(store, t
     n = res["steps"]
     res = train(_cfg(store, tmp_path / "r2", epochs=2, max_steps=1000, log_every=n + 1))
     assert [r["step"] for r in _metrics(tmp_path / "r2")] == [n + 1, res["steps"]] and res["steps"] > n + 1
+
+
+def test_damaged_run_directory_files_resume_or_fail_in_one_line_naming_the_file(store, tmp_path):
+    """Each kind of run-directory file damaged, then --resume: the record files (metrics, TensorBoard
+    events, the resolved config, the lock's holder record) never stop a run; a damaged best checkpoint
+    is one line naming it."""
+    from click.testing import CliRunner
+
+    from train.__main__ import main as train_main
+
+    out = tmp_path / "r"
+    kw = dict(max_steps=10, checkpoint_every=5, val_samples=4, val_every=5, tensorboard=True)
+    train(_cfg(store, out, **kw))
+    shutil.rmtree(out / "checkpoints" / "step-10")  # as if killed after step 5's checkpoint
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(b'\xff\xfe not utf-8\n{"step": "x"}\n[1, 2]\n{"step": 3, "loss": ')  # and a torn last line
+    (out / "config.toml").write_bytes(b"\x00garbage = = \n")
+    (out / "RUN.lock").write_bytes(b"\xff{not json")
+    for ev in (out / "tensorboard").rglob("events.*"):
+        ev.write_bytes(b"\x00" * 17)
+    args = ["--store", store, "--out", str(out), "--num-layers", "1", "--block-size", "4", "--num-anchors", "16",
+            "--epochs", "200", "--token-budget", "512", "--lr", "3e-3", "--warmup", "0.05", "--log-every", "5",
+            "--workers", "0", "--seed", "3", "--max-steps", "10", "--checkpoint-every", "5", "--val-samples", "4",
+            "--val-every", "5", "--tensorboard", "--resume"]
+    res = CliRunner().invoke(train_main, args)
+    assert res.exit_code == 0 and "trained 10 steps" in res.output, res.output
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [5, 10] and (out / "loss.png").is_file()
+    (best,) = (out / "checkpoints").glob("best-*")
+    (best / "state.json").write_text('{"step": ')
+    res = CliRunner().invoke(train_main, args)
+    assert res.exit_code == 2 and f"{best.name}/state.json" in res.output and "Traceback" not in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1
