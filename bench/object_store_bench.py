@@ -33,7 +33,7 @@ import numpy as np
 
 from bench.train_bench import make_store
 from cache_format import StoreReader
-from cache_format.remote import Mirror
+from cache_format.mirror import Mirror
 
 
 def _moto() -> tuple[subprocess.Popen, str]:

@@ -32,7 +32,8 @@ from cache_format.checksums import record_checksums, sha256_file
 from cache_format.codec import QUANTIZED
 from cache_format.index import LogFollower
 from cache_format.lock import StoreLock
-from cache_format.remote import default_local, is_url, writing_to
+from cache_format.mirror import writing_to
+from cache_format.remote import default_local, is_url
 from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
 from cache_format.target import frozen_parts, load_target, mask_token_of
 from cache_format.world import World

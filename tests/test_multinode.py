@@ -64,7 +64,8 @@ def test_two_nodes_train_from_object_storage_each_into_its_own_cache(tmp_path, o
     """No shared filesystem: the store lives on the object server; each node copies its metadata and
     fetches only the shards of the samples it reads, into a cache of its own; the weights equal one
     node's trained from the local store."""
-    from cache_format.remote import Mirror, _is_data
+    from cache_format.mirror import Mirror
+    from cache_format.remote import _is_data
 
     target = tiny_target_dir(tmp_path / "t", "qwen3")
     data = write_chats(tmp_path / "d.jsonl", 60, cyclic=True)

@@ -18,57 +18,22 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from cache_format import StoreReader
-from cache_format.checksums import CREATION_FILES, check_checksums
 from cache_format.cli import to_toml
 from cache_format.lock import StoreLock
-from cache_format.remote import is_url
 from cache_format.world import World
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint
-from train.config import RESUME_FREE, TrainConfig
+from train.config import TrainConfig
 from train.data import BatchDataset, CollateSettings, holdout_mask, plan_epoch, plan_holdout, to_device
 from train.data_parallel import data_parallel
 from train.export import start_weights
-from train.follow import StoreView, WriterWatch, agree_view, view_of, wait_for_store
+from train.follow import StoreView, WriterWatch, agree_view, view_of
 from train.losses import Weighting, acceptance_from_acc, default_gamma
 from train.masks import use_flex_attention
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
-from train.model import DFlashDrafter, DrafterConfig
+from train.start import BEST_BY, best_state, build_drafter, check_resume, draft_vocab_of, drafter_config, open_store
 from train.step import LossSettings, StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
-from train.vocab import answer_token_counts, coverage, draft_vocab
 
-__all__ = ["Trainer", "build_drafter", "drafter_config", "train"]
-
-
-def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig, list[int]]:
-    """Drafter dims from the target's config in the manifest; checks layers against the store."""
-    m = reader.manifest
-    tc = m.target.config
-    taps = list(cfg.layers) or list(m.layer_ids)
-    missing = [x for x in taps if x not in m.layer_ids]
-    if missing:
-        raise ValueError(f"{reader.root}: layer ids {missing} are not stored (store has {list(m.layer_ids)})")
-    heads = tc.get("num_attention_heads", 8)
-    dc = DrafterConfig(
-        hidden_size=m.target.hidden_size, intermediate_size=cfg.intermediate_size or tc.get("intermediate_size", 4 * m.target.hidden_size),
-        num_layers=cfg.num_layers, num_heads=heads, num_kv_heads=tc.get("num_key_value_heads") or heads,
-        head_dim=tc.get("head_dim") or m.target.hidden_size // heads, vocab_size=m.target.vocab_size,
-        num_taps=len(taps), block_size=cfg.block_size,
-        mask_token_id=cfg.mask_token_id if cfg.mask_token_id >= 0 else m.mask_token_id,
-        rope_theta=float(tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
-        rms_eps=float(tc.get("rms_norm_eps", 1e-6)),
-    )
-    if not 0 <= dc.mask_token_id < dc.vocab_size:
-        raise ValueError(f"mask_token_id {dc.mask_token_id} is outside the vocabulary (0..{dc.vocab_size - 1})")
-    return dc, [m.layer_ids.index(x) for x in taps]
-
-
-def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor],
-                  draft_ids: torch.Tensor | None = None) -> DFlashDrafter:
-    emb, head = frozen["embed_tokens.weight"], frozen["lm_head.weight"]
-    if emb.shape != (dc.vocab_size, dc.hidden_size):
-        raise ValueError(f"embedding shape {tuple(emb.shape)} does not fit vocab {dc.vocab_size} x hidden {dc.hidden_size}")
-    return DFlashDrafter(dc, emb, head, draft_ids)
+__all__ = ["Trainer", "train"]
 
 
 # Steps before an epoch's end at which the next epoch's DataLoader workers start. Fresh workers need
@@ -78,26 +43,6 @@ def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor],
 AHEAD_STEPS = 8
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
 # not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
-BEST_BY = "val_decode_tau"
-
-
-def _check_resume(cfg: TrainConfig, saved: dict[str, Any], store_identity: str) -> None:
-    if saved.get("store_identity") != store_identity:  # same path, other content: another dataset
-        raise ValueError(f"cannot resume {cfg.out}: {cfg.store} is not the store it was trained on (its manifest "
-                         "differs: another target, dataset or layout); train into another --out")
-    now, old = cfg.to_dict(), saved["config"]
-    diffs = [f"{k}: checkpoint has {old.get(k)!r}, now {now[k]!r}" for k in now if k not in RESUME_FREE and old.get(k) != now[k]]
-    if diffs:
-        raise ValueError(f"cannot resume {cfg.out}: config differs ({'; '.join(diffs)})")
-
-
-def _best_state(ck: Path) -> dict[str, Any]:
-    """The best checkpoint's step and score, checked like any checkpoint (a damaged one: one line naming it)."""
-    _, _, state = load_checkpoint(ck)
-    if not isinstance(state.get("step"), int) or BEST_BY not in state:
-        raise ValueError(f"{ck / 'state.json'}: not a best checkpoint's state (no step or {BEST_BY}); "
-                         "move it aside to resume")
-    return state
 
 
 def _past(deadline: float, device: torch.device, world: int) -> bool:
@@ -106,23 +51,6 @@ def _past(deadline: float, device: torch.device, world: int) -> bool:
     if world > 1:
         dist.all_reduce(late, op=dist.ReduceOp.MAX)
     return bool(late.item())
-
-
-def _open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
-    """The store, checked: finalized (unless following), creation files intact, holding what the loss needs."""
-    if cfg.follow and not is_url(cfg.store):  # started beside stage one: the store may not exist yet
-        wait_for_store(Path(cfg.store), announce=rank == 0, watch=watch)
-    reader = StoreReader(cfg.store)  # a URL: its metadata copied into the local cache, shards fetched on use
-    if not reader.finalized and not cfg.follow:
-        raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
-                         "pass --follow to train while it is written")
-    damaged = check_checksums(reader.root, only=CREATION_FILES)  # the frozen weights, prompt keys, manifest
-    if damaged:
-        raise ValueError(f"{cfg.store}/{damaged[0][0]}: {damaged[0][1]}; the store is damaged "
-                         f"(python -m cache_format verify {cfg.store} lists every problem)")
-    if cfg.loss != "ce" and not reader.manifest.last_hidden:
-        raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
-    return reader
 
 
 class Trainer:
@@ -143,7 +71,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         self.watch = WriterWatch(cfg.store, cfg.follow_timeout)  # gives up on a store whose writer is gone
-        self.reader = _open_store(cfg, self.rank, self.watch)
+        self.reader = open_store(cfg, self.rank, self.watch)
         m = self.reader.manifest
         self.dc, tap_index = drafter_config(cfg, self.reader)
         self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
@@ -152,7 +80,10 @@ class Trainer:
                          if cfg.val_samples else None)
         except ValueError as e:
             raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
-        draft_ids, self.vocab_coverage = self._draft_vocab()
+        draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, self.reader, self.held, self.dc.vocab_size,
+                                                        announce=self.rank == 0)
+        if draft_ids is not None:
+            self.dc = dataclasses.replace(self.dc, draft_vocab_size=len(draft_ids))
         self.model = build_drafter(self.dc, self.reader.frozen(), draft_ids).to(self.device)
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -184,7 +115,7 @@ class Trainer:
                               config={k: self.record[k] for k in ("train", "drafter")})
         self.val_ds = self._holdout_dataset()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
-        best = _best_state(best_ck) if best_ck else {"step": self.step, BEST_BY: float("-inf")}
+        best = best_state(best_ck) if best_ck else {"step": self.step, BEST_BY: float("-inf")}
         self.best_score = best[BEST_BY]
         self.stale = max(0, self.step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
         self.stats = StepStats(cfg.block_size, self.device)
@@ -193,25 +124,6 @@ class Trainer:
         # the check costs no host sync per step; read before every row, evaluation and checkpoint
         self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
         self.out_of_time = False
-
-    def _draft_vocab(self) -> tuple[torch.Tensor | None, float]:
-        """With --draft-vocab N: the N most frequent answer tokens of the training samples (held-out
-        ones left out) and the share of those samples' answer tokens they cover; else (None, 1.0).
-        Every rank counts the same committed samples, so every rank gets the same ids."""
-        n = self.cfg.draft_vocab
-        if not n:
-            return None, 1.0
-        if n > self.dc.vocab_size:
-            raise ValueError(f"--draft-vocab {n}: larger than the target's vocabulary ({self.dc.vocab_size})")
-        train_rows = ~self.held if self.held is not None else np.ones(len(self.reader), dtype=bool)
-        counts = answer_token_counts(self.reader, train_rows, self.dc.vocab_size)
-        ids = draft_vocab(counts, n)
-        self.dc = dataclasses.replace(self.dc, draft_vocab_size=n)
-        share = coverage(counts, ids)
-        if self.rank == 0:
-            print(f"draft vocabulary: {n} of {self.dc.vocab_size} tokens, {share:.2%} of the training answers' tokens",
-                  flush=True)
-        return ids, share
 
     # ------------------------------------------------------------------ the plan
     def _share(self, obj: list) -> list:
@@ -367,7 +279,7 @@ class Trainer:
             ck = Path(cfg.resume_from)
         if cfg.resume and ck is not None:
             weights, opt_state, saved = load_checkpoint(ck)
-            _check_resume(cfg, saved, self.reader.manifest.identity())
+            check_resume(cfg, saved, self.reader.manifest.identity())
             if not cfg.follow and saved.get("total_steps") != self.total:  # follow mode's total is an estimate
                 raise ValueError(f"cannot resume {cfg.out}: its learning-rate schedule spans {saved.get('total_steps')} "
                                  f"steps, these options make it {self.total} (--max-steps or --epochs changed); resume "

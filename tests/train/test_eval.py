@@ -97,8 +97,8 @@ def _assert_replay_equals_decoding(target: str, run: str) -> None:
     from train.export import hf_drafter
     from train.losses import default_gamma
     from train.replay import replay_counts
+    from train.start import build_drafter
     from train.step import LossSettings, evaluate_holdout, forward_loss
-    from train.trainer import build_drafter
 
     weights, _, state = load_checkpoint(latest_checkpoint(run))
     store = state["store"]

@@ -1,0 +1,275 @@
+"""Writing a store to object storage: the lease that makes one writer, the mirror that uploads a
+local store in commit order, and `writing_to`, which extraction wraps its run in. The protocol and
+why it is safe: cache_format.remote's module doc."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from cache_format.errors import CacheFormatError
+from cache_format.remote import (
+    LEASE_KEY,
+    AlreadyExistsError,
+    NotFoundError,
+    PreconditionError,
+    _brief,
+    _is_data,
+    _listing,
+    fetch,
+    obstore,
+    open_bucket,
+    pull,
+)
+
+__all__ = ["Lease", "Mirror", "clear", "writing_to"]
+
+
+class Lease:
+    """The writing lease of one store on object storage (see the module doc)."""
+
+    def __init__(self, url: str, *, ttl: float = 60.0, bucket=None) -> None:
+        self.url, self.ttl = url, ttl
+        self.bucket = bucket or open_bucket(url)
+        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.etag: str | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl, "ttl": self.ttl}).encode()
+
+    def _current(self) -> tuple[dict[str, Any], str] | None:
+        try:
+            got = obstore.get(self.bucket, LEASE_KEY)
+            return json.loads(bytes(got.bytes())), got.meta["e_tag"]
+        except (FileNotFoundError, NotFoundError):
+            return None
+        except ValueError:  # a torn or foreign lease object: treat as expired
+            return {"holder": "?", "expires": 0.0}, obstore.head(self.bucket, LEASE_KEY)["e_tag"]
+
+    def acquire(self, *, wait: float | None = None) -> Lease:
+        """Take the lease; a live holder's is waited out up to `wait` seconds (default: the time
+        to live, so a killed writer's lease expires meanwhile), then refused in one line."""
+        deadline = time.time() + (self.ttl if wait is None else wait)
+        while True:
+            try:
+                cur = self._current()
+                if cur is None:
+                    self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(), mode="create")["e_tag"]
+                    return self
+                rec, etag = cur
+                if rec.get("expires", 0) < time.time():  # expired: replace exactly that version
+                    self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(), mode={"e_tag": etag})["e_tag"]
+                    return self
+            except (FileExistsError, AlreadyExistsError, PreconditionError):
+                rec = {"holder": "another writer", "expires": time.time()}  # lost a race: look again
+            except Exception as e:  # noqa: BLE001
+                raise CacheFormatError(f"{self.url}: cannot take the writing lease ({_brief(e)})") from None
+            if time.time() >= deadline:
+                left = max(0.0, rec.get("expires", 0) - time.time())
+                raise CacheFormatError(f"{self.url}: being written by {rec.get('holder', '?')} (its lease runs "
+                                       f"{left:.0f} s more); one writer per store")
+            time.sleep(min(1.0, max(0.05, deadline - time.time())))
+
+    def renew(self) -> None:
+        """Extend the lease; a lease another writer took meanwhile is one line."""
+        try:
+            self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(), mode={"e_tag": self.etag})["e_tag"]
+        except PreconditionError:
+            raise CacheFormatError(f"{self.url}: the writing lease was taken by another writer (this one was "
+                                   f"not renewed for {self.ttl:g} s); stopping") from None
+        except Exception as e:  # noqa: BLE001
+            raise CacheFormatError(f"{self.url}: cannot renew the writing lease ({_brief(e)})") from None
+
+    def release(self) -> None:
+        if self.etag is not None:
+            try:
+                obstore.delete(self.bucket, LEASE_KEY)
+            except Exception:  # noqa: BLE001 - it expires anyway
+                pass
+            self.etag = None
+
+
+def _complete_shards(local: Path, logs: dict[str, bytes]) -> list[str]:
+    """The data files (relative keys) of the complete shards that the done-log snapshots commit."""
+    from cache_format.layout import group_key, read_manifest, shard_file, token_arrays
+
+    m = read_manifest(local)
+    out = []
+    for key, raw in logs.items():
+        writer = int(Path(key).stem[1:])
+        for line in raw.splitlines():
+            e = json.loads(line) if line.strip() else {}
+            if e.get("rows") == m.rows_per_shard:
+                out += [shard_file("", group_key(writer, e["bucket"]), a, e["shard"]).as_posix()
+                        for a in token_arrays(m)]
+    return out
+
+
+def _committed_ends(local: Path, logs: dict[str, bytes]) -> list[str]:
+    """The data files of the shard each writer's committed rows end inside, per bucket: a resuming
+    writer reads that shard's committed rows back into its buffer (ShardWriter._recover), and it may
+    be a complete shard (a sample that began in it was not committed)."""
+    from cache_format.layout import group_key, read_manifest, shard_file, token_arrays
+
+    m = read_manifest(local)
+    out = []
+    for key, raw in logs.items():
+        writer, rows = int(Path(key).stem[1:]), {}
+        for line in raw.splitlines():
+            e = json.loads(line) if line.strip() else {}
+            for _, n in e.get("samples", []):
+                rows[e["bucket"]] = rows.get(e["bucket"], 0) + int(n)
+        for bucket, n in rows.items():
+            if n % m.rows_per_shard:
+                out += [shard_file("", group_key(writer, bucket), a, n // m.rows_per_shard).as_posix()
+                        for a in token_arrays(m)]
+    return out
+
+
+class Mirror:
+    """Copies a local store up to `url` in commit order (see the module doc), each file only when
+    it changed since the last push."""
+
+    def __init__(self, local: str | os.PathLike, url: str, *, bucket=None, evict: bool = False) -> None:
+        """evict: delete the local files of complete shards once they and the done-log line that
+        commits them are on the server (the writer never reads a complete shard again), so the
+        staging directory holds the tail shards and metadata, not the store."""
+        self.local, self.url, self.evict = Path(local), url, evict
+        self.bucket = bucket or open_bucket(url)
+        self.sent: dict[str, tuple[int, int]] = {}  # key -> (size, mtime_ns) last uploaded
+        self.bytes_sent = 0
+
+    def _files(self) -> list[str]:
+        out = []
+        for p in self.local.rglob("*"):
+            if p.is_file() and ".partial" not in p.name and not p.name.startswith("."):
+                out.append(p.relative_to(self.local).as_posix())
+        return sorted(out)
+
+    def _put(self, key: str, data: bytes | None = None) -> None:
+        p, snapshot = self.local / key, data is not None
+        try:
+            stat = p.stat()
+            if data is None:
+                if self.sent.get(key) == (stat.st_size, stat.st_mtime_ns):
+                    return
+                data = p.read_bytes()
+            obstore.put(self.bucket, key, data)
+        except FileNotFoundError:
+            return  # replaced or removed since the listing (a recovering writer's leftovers)
+        except Exception as e:  # noqa: BLE001
+            raise CacheFormatError(f"{self.url}/{key}: upload failed ({_brief(e)})") from None
+        # a done-log snapshot is recorded by its length (the file may have grown since)
+        self.sent[key] = (len(data), -1) if snapshot else (stat.st_size, stat.st_mtime_ns)
+        self.bytes_sent += len(data)
+
+    def _evict(self, logs: dict[str, bytes]) -> None:
+        for key in _complete_shards(self.local, logs):
+            p = self.local / key
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue  # evicted before
+            if self.sent.get(key) == (st.st_size, st.st_mtime_ns):  # on the server as it is here
+                p.unlink()
+
+    def push(self) -> None:
+        """One pass: the root zarr.json (the first time); done-log snapshots; then the shards and the arrays' metadata (their shapes grow
+        with the rows written), read now, so at least as new as the snapshots; then the snapshots;
+        the rest; the root zarr.json last."""
+        if not (self.local / "zarr.json").exists():
+            return  # not created yet (the first push of an extraction can come before create_store)
+        if "zarr.json" not in self.sent:  # the root first, once: what a resume looks for to know a store is there
+            self._put("zarr.json")
+        logs = {}
+        for p in sorted((self.local / "commits").glob("*.jsonl")):
+            raw = p.read_bytes()
+            logs[f"commits/{p.name}"] = raw[: raw.rfind(b"\n") + 1]  # whole lines only
+        files = self._files()
+        for key in files:
+            if _is_data(key):
+                self._put(key)
+        for key in files:
+            if key.endswith("zarr.json") and key != "zarr.json":
+                self._put(key)
+        for key, raw in logs.items():
+            if self.sent.get(key, (-1,))[0] != len(raw):
+                self._put(key, raw)
+        if self.evict:
+            self._evict(logs)
+        for key in files:
+            if not _is_data(key) and key not in logs and not key.endswith("zarr.json"):
+                self._put(key)
+        self._put("zarr.json")
+
+
+def clear(url: str, bucket=None) -> None:
+    """Delete every object of the store at `url` but the lease (extract --overwrite)."""
+    bucket = bucket or open_bucket(url)
+    keys = [k for k in _listing(bucket, url) if k != LEASE_KEY]
+    try:
+        for i in range(0, len(keys), 1000):
+            obstore.delete(bucket, keys[i:i + 1000])
+    except Exception as e:  # noqa: BLE001
+        raise CacheFormatError(f"{url}: cannot delete the old store ({_brief(e)})") from None
+
+
+@contextmanager
+def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwrite: bool = False) -> Iterator[Mirror]:
+    """Write a store to `url` through the local directory `local`: take the lease (waiting out a killed
+    writer's), clear the old store with `overwrite` or else download its metadata, done-logs and tail
+    shards (a resume, on this machine or another), then push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
+    more on the way out, finished or not, so that a resume finds every commit; release the lease.
+    Complete shards leave `local` once they are on the server (Mirror's evict)."""
+    lease = Lease(url, ttl=ttl).acquire()
+    try:
+        there = set(_listing(lease.bucket, url)) - {LEASE_KEY}
+        if there and "zarr.json" not in there and not overwrite:  # our root goes up first: not a store of ours
+            raise CacheFormatError(f"{url}: holds {len(there)} objects but no draftcache store; choose an empty "
+                                   "prefix, or --overwrite to delete them")
+        if overwrite:
+            clear(url, lease.bucket)
+        elif there:  # a resume: the metadata, done-logs and tail shards (a writer never reads a complete one)
+            pull(url, local, data=False, bucket=lease.bucket)
+            logs = {f"commits/{p.name}": p.read_bytes() for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
+            complete = set(_complete_shards(Path(local), logs))
+            needed = {k for k in there if _is_data(k) and k not in complete} | set(_committed_ends(Path(local), logs))
+            fetch(url, Path(local), sorted(needed & there), lease.bucket)
+    except BaseException:
+        lease.release()
+        raise
+    mirror, stop, errors = Mirror(local, url, bucket=lease.bucket, evict=True), threading.Event(), []
+
+    def loop() -> None:
+        while not stop.wait(ttl / 6):
+            try:
+                mirror.push()
+                lease.renew()
+            except CacheFormatError as e:
+                errors.append(e)
+                return
+
+    thread = threading.Thread(target=loop, name="draftcache-mirror", daemon=True)
+    thread.start()
+    failed = True
+    try:
+        yield mirror
+        failed = False
+    finally:
+        stop.set()
+        thread.join()
+        try:
+            if not errors:
+                mirror.push()
+        except CacheFormatError as e:
+            errors.append(e)
+        lease.release()
+        if errors and not failed:
+            raise errors[0]

@@ -1,0 +1,111 @@
+"""What a run starts from: the store opened and checked, the drafter it defines (dims from the
+target's config in the manifest, taps, draft vocabulary), and the checks that a checkpoint may be
+resumed. Everything here runs once, before the first step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cache_format import StoreReader
+from cache_format.checksums import CREATION_FILES, check_checksums
+from cache_format.remote import is_url
+from train.checkpoint import load_checkpoint
+from train.config import RESUME_FREE, TrainConfig
+from train.follow import WriterWatch, wait_for_store
+from train.model import DFlashDrafter, DrafterConfig
+from train.vocab import answer_token_counts, coverage, draft_vocab
+
+__all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "draft_vocab_of", "drafter_config", "open_store"]
+
+# The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
+# not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
+BEST_BY = "val_decode_tau"
+
+
+def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig, list[int]]:
+    """Drafter dims from the target's config in the manifest; checks layers against the store."""
+    m = reader.manifest
+    tc = m.target.config
+    taps = list(cfg.layers) or list(m.layer_ids)
+    missing = [x for x in taps if x not in m.layer_ids]
+    if missing:
+        raise ValueError(f"{reader.root}: layer ids {missing} are not stored (store has {list(m.layer_ids)})")
+    heads = tc.get("num_attention_heads", 8)
+    dc = DrafterConfig(
+        hidden_size=m.target.hidden_size, intermediate_size=cfg.intermediate_size or tc.get("intermediate_size", 4 * m.target.hidden_size),
+        num_layers=cfg.num_layers, num_heads=heads, num_kv_heads=tc.get("num_key_value_heads") or heads,
+        head_dim=tc.get("head_dim") or m.target.hidden_size // heads, vocab_size=m.target.vocab_size,
+        num_taps=len(taps), block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id if cfg.mask_token_id >= 0 else m.mask_token_id,
+        rope_theta=float(tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
+        rms_eps=float(tc.get("rms_norm_eps", 1e-6)),
+    )
+    if not 0 <= dc.mask_token_id < dc.vocab_size:
+        raise ValueError(f"mask_token_id {dc.mask_token_id} is outside the vocabulary (0..{dc.vocab_size - 1})")
+    return dc, [m.layer_ids.index(x) for x in taps]
+
+
+def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor],
+                  draft_ids: torch.Tensor | None = None) -> DFlashDrafter:
+    emb, head = frozen["embed_tokens.weight"], frozen["lm_head.weight"]
+    if emb.shape != (dc.vocab_size, dc.hidden_size):
+        raise ValueError(f"embedding shape {tuple(emb.shape)} does not fit vocab {dc.vocab_size} x hidden {dc.hidden_size}")
+    return DFlashDrafter(dc, emb, head, draft_ids)
+
+
+def draft_vocab_of(n: int, reader: StoreReader, held: np.ndarray | None, vocab_size: int, *,
+                   announce: bool) -> tuple[torch.Tensor | None, float]:
+    """With --draft-vocab n: the n most frequent answer tokens of the training samples (held-out
+    ones left out) and the share of those samples' answer tokens they cover; else (None, 1.0).
+    Every rank counts the same committed samples, so every rank gets the same ids."""
+    if not n:
+        return None, 1.0
+    if n > vocab_size:
+        raise ValueError(f"--draft-vocab {n}: larger than the target's vocabulary ({vocab_size})")
+    train_rows = ~held if held is not None else np.ones(len(reader), dtype=bool)
+    counts = answer_token_counts(reader, train_rows, vocab_size)
+    ids = draft_vocab(counts, n)
+    share = coverage(counts, ids)
+    if announce:
+        print(f"draft vocabulary: {n} of {vocab_size} tokens, {share:.2%} of the training answers' tokens", flush=True)
+    return ids, share
+
+
+def check_resume(cfg: TrainConfig, saved: dict[str, Any], store_identity: str) -> None:
+    if saved.get("store_identity") != store_identity:  # same path, other content: another dataset
+        raise ValueError(f"cannot resume {cfg.out}: {cfg.store} is not the store it was trained on (its manifest "
+                         "differs: another target, dataset or layout); train into another --out")
+    now, old = cfg.to_dict(), saved["config"]
+    diffs = [f"{k}: checkpoint has {old.get(k)!r}, now {now[k]!r}" for k in now if k not in RESUME_FREE and old.get(k) != now[k]]
+    if diffs:
+        raise ValueError(f"cannot resume {cfg.out}: config differs ({'; '.join(diffs)})")
+
+
+def best_state(ck: Path) -> dict[str, Any]:
+    """The best checkpoint's step and score, checked like any checkpoint (a damaged one: one line naming it)."""
+    _, _, state = load_checkpoint(ck)
+    if not isinstance(state.get("step"), int) or BEST_BY not in state:
+        raise ValueError(f"{ck / 'state.json'}: not a best checkpoint's state (no step or {BEST_BY}); "
+                         "move it aside to resume")
+    return state
+
+
+def open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
+    """The store, checked: finalized (unless following), creation files intact, holding what the loss needs."""
+    if cfg.follow and not is_url(cfg.store):  # started beside stage one: the store may not exist yet
+        wait_for_store(Path(cfg.store), announce=rank == 0, watch=watch)
+    reader = StoreReader(cfg.store)  # a URL: its metadata copied into the local cache, shards fetched on use
+    if not reader.finalized and not cfg.follow:
+        raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
+                         "pass --follow to train while it is written")
+    damaged = check_checksums(reader.root, only=CREATION_FILES)  # the frozen weights, prompt keys, manifest
+    if damaged:
+        raise ValueError(f"{cfg.store}/{damaged[0][0]}: {damaged[0][1]}; the store is damaged "
+                         f"(python -m cache_format verify {cfg.store} lists every problem)")
+    if cfg.loss != "ce" and not reader.manifest.last_hidden:
+        raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
+    return reader
