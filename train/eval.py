@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,80 +133,96 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
         d.to(device=device, dtype=model.dtype if name == "checkpoint" else torch.bfloat16).eval()
     eos = eos_ids(tok, model)  # the tokenizer's and the generation config's, as regeneration stops
 
-    rows: dict[str, list] = {name: [] for name in drafters}
-    hist = {name: Counter() for name in drafters}
-    secs = dict.fromkeys(drafters, 0.0)
-    base_s = pl_s = 0.0
-    base_fw = pl_fw = pl_tokens = 0
     todo = _prompts(prompts, limit)
     if not todo:
         raise ValueError(f"--prompts {prompts}: no prompts to evaluate")
+    rows: dict[str, list] = {name: [] for name in drafters}
+    hist = {name: Counter() for name in drafters}
+    t = _Tally(spec_s=dict.fromkeys(drafters, 0.0))
     # prompts done, τ so far and the time left, on stderr (a CPU evaluation of 48 prompts takes an hour)
     bar = tqdm(todo, desc=f"eval on {device.type}", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     for name, msgs in bar:
         ids = chat_ids(tok, _answer_earlier_turns(model, tok, msgs, max_new_tokens=max_new_tokens, eos=set(eos)))
         base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=set(eos))
-        base_s, base_fw = base_s + base.seconds, base_fw + base.target_forwards
+        t.base_s, t.base_fw = t.base_s + base.seconds, t.base_fw + base.target_forwards
         for which, drafter in drafters.items():
             t0 = time.perf_counter()
             spec = drafter.spec_generate(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
                                          eos_token_id=eos)
-            secs[which] += time.perf_counter() - t0
+            t.spec_s[which] += time.perf_counter() - t0
             new = spec["sequences"][0, len(ids):].tolist()
             hist[which].update(spec["accepted"])
             rows[which].append({"prompt": name, "new_tokens": len(new), "target_forwards": spec["target_forwards"],
                                 "tau": len(new) / spec["target_forwards"], "lossless": new == base.tokens})
             if teacher_forced:
                 rows[which][-1].update(_teacher_forced_row(drafter, model, ids, base.tokens, spec["accepted"]))
-        if not prompt_lookup:
-            for r in rows.values():
-                r[-1].update(prompt_lookup_new_tokens=0, prompt_lookup_target_forwards=0)
-            bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{_tau(r):.2f}" for k, r in rows.items()})
-            continue
-        box, h = _count_forwards(model)
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            pl = model.generate(torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, do_sample=False,
-                                prompt_lookup_num_tokens=10, pad_token_id=tok.pad_token_id or 0, eos_token_id=eos)
-            pl_s += time.perf_counter() - t0
-        h.remove()
-        pl_fw += box["n"]
-        pl_tokens += pl.shape[1] - len(ids)
+        pl_new, pl_fw = _prompt_lookup(model, tok, ids, t, max_new_tokens=max_new_tokens, eos=eos) if prompt_lookup \
+            else (0, 0)
         for r in rows.values():
-            r[-1].update(prompt_lookup_new_tokens=pl.shape[1] - len(ids), prompt_lookup_target_forwards=box["n"])
+            r[-1].update(prompt_lookup_new_tokens=pl_new, prompt_lookup_target_forwards=pl_fw)
         bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{_tau(r):.2f}" for k, r in rows.items()})
     bar.close()
-    res = {}
-    for which in drafters:
-        r = rows[which]
-        new_tokens, spec_fw = sum(x["new_tokens"] for x in r), sum(x["target_forwards"] for x in r)
-        res[which] = {
-            "tau": new_tokens / max(1, spec_fw),
-            "lossless": all(x["lossless"] for x in r),
-            "lossless_dtype": str(model.dtype).replace("torch.", ""),
-            "drafter_dtype": str(next(drafters[which].parameters()).dtype).replace("torch.", ""),
-            "num_prompts": len(r),
-            "new_tokens": new_tokens,
-            "target_forwards": spec_fw,
-            "baseline_target_forwards": base_fw,
-            "tokens_per_s": new_tokens / max(secs[which], 1e-9),
-            "baseline_tokens_per_s": new_tokens / max(base_s, 1e-9),
-            "speedup": base_s / max(secs[which], 1e-9),
-            "baseline_prompt_lookup_tau": pl_tokens / max(1, pl_fw) if prompt_lookup else None,
-            "baseline_prompt_lookup_speedup": ((base_s / max(pl_s, 1e-9)) * (pl_tokens / max(1, new_tokens))
-                                               if prompt_lookup else None),
-            "acceptance_histogram": {str(k): hist[which][k] for k in sorted(hist[which])},
-            **_by_source(r),
-            **({"teacher_forced": _teacher_forced(r)} if teacher_forced else {}),
-            "device": str(device),
-            "prompts": r,
-        }
+    res = {which: _summary(rows[which], hist[which], t, which, drafters[which], model, device,
+                           prompt_lookup=prompt_lookup, teacher_forced=teacher_forced) for which in drafters}
     if "checkpoint" in res:
         out = {**res["checkpoint"], "checkpoint": ck}
         if "export" in res:
             out["export"] = {**{k: v for k, v in res["export"].items() if k != "prompts"}, "path": export}
         return out
     return {**res["export"], "export_path": export}
+
+
+@dataclass
+class _Tally:
+    """Seconds and target forwards of the baselines over the prompts so far, and of each drafter."""
+
+    spec_s: dict[str, float]
+    base_s: float = 0.0
+    base_fw: int = 0
+    pl_s: float = 0.0
+    pl_fw: int = 0
+    pl_tokens: int = 0
+
+
+def _prompt_lookup(model, tok, ids: list[int], t: _Tally, *, max_new_tokens: int, eos: list[int]) -> tuple[int, int]:
+    """transformers' prompt-lookup decoding of one prompt: (new tokens, target forwards), added to `t`."""
+    box, h = _count_forwards(model)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        pl = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                            prompt_lookup_num_tokens=10, pad_token_id=tok.pad_token_id or 0, eos_token_id=eos)
+        t.pl_s += time.perf_counter() - t0
+    h.remove()
+    new = pl.shape[1] - len(ids)
+    t.pl_fw, t.pl_tokens = t.pl_fw + box["n"], t.pl_tokens + new
+    return new, box["n"]
+
+
+def _summary(r: list[dict[str, Any]], hist: Counter, t: _Tally, which: str, drafter, model, device, *,
+             prompt_lookup: bool, teacher_forced: bool) -> dict[str, Any]:
+    """One drafter's figures over its prompt rows `r` (the JSON contract of train.eval)."""
+    new_tokens, spec_fw = sum(x["new_tokens"] for x in r), sum(x["target_forwards"] for x in r)
+    return {
+        "tau": new_tokens / max(1, spec_fw),
+        "lossless": all(x["lossless"] for x in r),
+        "lossless_dtype": str(model.dtype).replace("torch.", ""),
+        "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
+        "num_prompts": len(r),
+        "new_tokens": new_tokens,
+        "target_forwards": spec_fw,
+        "baseline_target_forwards": t.base_fw,
+        "tokens_per_s": new_tokens / max(t.spec_s[which], 1e-9),
+        "baseline_tokens_per_s": new_tokens / max(t.base_s, 1e-9),
+        "speedup": t.base_s / max(t.spec_s[which], 1e-9),
+        "baseline_prompt_lookup_tau": t.pl_tokens / max(1, t.pl_fw) if prompt_lookup else None,
+        "baseline_prompt_lookup_speedup": ((t.base_s / max(t.pl_s, 1e-9)) * (t.pl_tokens / max(1, new_tokens))
+                                           if prompt_lookup else None),
+        "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
+        **_by_source(r),
+        **({"teacher_forced": _teacher_forced(r)} if teacher_forced else {}),
+        "device": str(device),
+        "prompts": r,
+    }
 
 
 def _tau(rows: list[dict[str, Any]]) -> float:
