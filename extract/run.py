@@ -159,6 +159,59 @@ def _run_to_url(cfg: ExtractConfig, world: World) -> dict:
             "store_bytes": info["disk_bytes"]}
 
 
+def _create(cfg: ExtractConfig, world: World, target, layer_ids: list[int], samples: list[Rendered], data) -> Manifest:
+    """The store's manifest; rank 0 creates the store (or checks it for a resume) with the frozen
+    target parts, prompt keys and tokenizer, while the other ranks wait."""
+    h = target.info.hidden_size
+    rows_per_shard = cfg.rows_per_shard or default_rows_per_shard(h, len(layer_ids))
+    mask_id, mask_text = mask_token_of(target.tokenizer, target.info.vocab_size)
+    manifest = Manifest(
+        target=target.info, tokenizer_sha256=target.tokenizer_sha256, layer_ids=tuple(layer_ids),
+        mask_token_id=mask_id, mask_token=mask_text,
+        last_hidden=cfg.last_hidden, dataset=DatasetInfo(path=str(data), sha256=sha256_file(data),
+                                                         num_records=len(samples)),
+        max_len=cfg.max_len, bucket_bounds=default_bucket_bounds(cfg.max_len), dtype=cfg.dtype,
+        compression=cfg.compression, rows_per_shard=rows_per_shard, rows_per_chunk=min(32, rows_per_shard),
+        extract_config=cfg.to_dict(),
+    )
+    if world.rank == 0:
+        create_store(cfg.store, manifest, overwrite=cfg.overwrite)
+        write_frozen(cfg.store, frozen_parts(target.model))
+        write_prompt_keys(cfg.store, [r.sample_id for r in samples], [r.prompt_key for r in samples])
+        if not (Path(cfg.store) / "tokenizer").exists():
+            target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
+        record_checksums(cfg.store, manifest, finalized=False)  # the files just written
+    world.barrier()
+    return manifest
+
+
+def _finalize(cfg: ExtractConfig, world: World, manifest: Manifest, mine_stats: dict, skipped: Counter, *,
+              data, already_committed: int, layer_ids: list[int], t0: float) -> dict:
+    """Every rank's counts gathered; rank 0 finalizes the store and returns the closing summary."""
+    stats = [mine_stats]
+    if world.world_size > 1:
+        stats = [None] * world.world_size
+        dist.all_gather_object(stats, mine_stats)
+    summary: dict = {}
+    if world.rank == 0:
+        for s in stats:
+            skipped.update(s["nonfinite"])
+        state = finalize_store(cfg.store, manifest)
+        from cache_format.inspect import inspect_store
+
+        info = inspect_store(cfg.store)
+        summary = {
+            "store": cfg.store, "data": str(data), "samples_written_now": sum(s["written"] for s in stats),
+            "samples_in_store": state["num_samples"], "already_committed": already_committed,
+            "skipped": dict(skipped), "tokens_now": sum(s["tokens"] for s in stats),
+            "tokens_per_s_per_rank": [s["tokens"] / s["seconds"] if s["seconds"] else 0.0 for s in stats],
+            "bytes_per_token": info["bytes_per_token"], "store_bytes": info["disk_bytes"],
+            "buckets": {f"{b['lo']}-{b['hi']}": b["num_samples"] for b in info["buckets"]},
+            "layer_ids": layer_ids, "wall_s": time.time() - t0,
+        }
+    return summary
+
+
 def _check_data_file(path: str) -> None:
     """Cheap checks of --data before the target loads (which takes up to minutes)."""
     p = Path(path)
@@ -188,26 +241,8 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     by_id = {r.sample_id: r for r in samples}
 
     # ------------------------------------------------------------------ the store
+    manifest = _create(cfg, world, target, layer_ids, samples, data)
     h = target.info.hidden_size
-    rows_per_shard = cfg.rows_per_shard or default_rows_per_shard(h, len(layer_ids))
-    mask_id, mask_text = mask_token_of(target.tokenizer, target.info.vocab_size)
-    manifest = Manifest(
-        target=target.info, tokenizer_sha256=target.tokenizer_sha256, layer_ids=tuple(layer_ids),
-        mask_token_id=mask_id, mask_token=mask_text,
-        last_hidden=cfg.last_hidden, dataset=DatasetInfo(path=str(data), sha256=sha256_file(data),
-                                                         num_records=len(samples)),
-        max_len=cfg.max_len, bucket_bounds=default_bucket_bounds(cfg.max_len), dtype=cfg.dtype,
-        compression=cfg.compression, rows_per_shard=rows_per_shard, rows_per_chunk=min(32, rows_per_shard),
-        extract_config=cfg.to_dict(),
-    )
-    if world.rank == 0:
-        create_store(cfg.store, manifest, overwrite=cfg.overwrite)
-        write_frozen(cfg.store, frozen_parts(target.model))
-        write_prompt_keys(cfg.store, [r.sample_id for r in samples], [r.prompt_key for r in samples])
-        if not (Path(cfg.store) / "tokenizer").exists():
-            target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
-        record_checksums(cfg.store, manifest, finalized=False)  # the files just written
-    world.barrier()
     quant = cfg.dtype if cfg.dtype in QUANTIZED else ""
     ring = HostRing(cfg.queue_batches, cfg.token_budget,
                     ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0, quant),
@@ -241,26 +276,7 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     # ------------------------------------------------------------------ finalize and report
     mine_stats = {"tokens": tokens, "seconds": elapsed, "written": len(mine) - sum(nonfinite.values()),
                   "nonfinite": dict(nonfinite)}
-    stats = [mine_stats]
-    if world.world_size > 1:
-        stats = [None] * world.world_size
-        dist.all_gather_object(stats, mine_stats)
-    summary: dict = {}
-    if world.rank == 0:
-        for s in stats:
-            skipped.update(s["nonfinite"])
-        state = finalize_store(cfg.store, manifest)
-        from cache_format.inspect import inspect_store
-
-        info = inspect_store(cfg.store)
-        summary = {
-            "store": cfg.store, "data": str(data), "samples_written_now": sum(s["written"] for s in stats),
-            "samples_in_store": state["num_samples"], "already_committed": len(committed),
-            "skipped": dict(skipped), "tokens_now": sum(s["tokens"] for s in stats),
-            "tokens_per_s_per_rank": [s["tokens"] / s["seconds"] if s["seconds"] else 0.0 for s in stats],
-            "bytes_per_token": info["bytes_per_token"], "store_bytes": info["disk_bytes"],
-            "buckets": {f"{b['lo']}-{b['hi']}": b["num_samples"] for b in info["buckets"]},
-            "layer_ids": layer_ids, "wall_s": time.time() - t0,
-        }
+    summary = _finalize(cfg, world, manifest, mine_stats, skipped, data=data, already_committed=len(committed),
+                        layer_ids=layer_ids, t0=t0)
     world.barrier()
     return summary
