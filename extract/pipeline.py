@@ -57,36 +57,8 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
     """
     device = next(model.parameters()).device
     base, _, _ = decoder_parts(model)
-    inboxes: list[queue.Queue] = [queue.Queue() for _ in writers]  # bounded by the ring's slots
-    failure: list[BaseException] = []
-    refused: Counter = Counter()
-    count_lock = threading.Lock()
-
-    def write_loop(inbox: queue.Queue, writer: ShardWriter | ProcessWriter) -> None:
-        item = ...
-        try:
-            while (item := inbox.get()) is not None:
-                event, slot, b, t, rows, batch, small = item
-                if event is not None:
-                    event.synchronize()  # the states and `small` have landed in host memory
-                w = WriteItem(slot=slot, batch=b, seq=t, rows=rows, sample_ids=[batch[j].sample_id for j in rows],
-                              input_ids=[batch[j].input_ids for j in rows], loss_masks=[batch[j].loss_mask for j in rows],
-                              ok=[bool(small[j, 0]) for j in rows],
-                              quant_sq=[(float(small[j, 1]), float(small[j, 2])) for j in rows] if quant else None)
-                n = writer.write(w) if isinstance(writer, ProcessWriter) else write_rows(writer, ring.views(slot, b, t), w)
-                with count_lock:
-                    refused[NONFINITE] += n
-                ring.release(w.slot)
-            writer.close()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            failure.append(e)
-            while item is not None and (item := inbox.get()) is not None:  # drain: give every slot back
-                ring.release(item[1])
-
-    threads = [threading.Thread(target=write_loop, args=(q, w), name=f"store-writer-{w.writer_id}", daemon=True)
-               for q, w in zip(inboxes, writers)]
-    for t in threads:
-        t.start()
+    io = _WriterThreads(writers, ring, quant)
+    failure, refused = io.failure, io.refused
     copy_stream = torch.cuda.Stream() if device.type == "cuda" and writers else None
     try:
         upto = max(layer_ids) if stop_at_last_tap and not last_hidden else None  # no layer above it runs
@@ -111,41 +83,96 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                 if slot is None:
                     break
                 b, t, _ = hid.shape
-                host = ring.views(slot, b, t)
-                event = None
-                if copy_stream is not None:  # copy on a side stream: the next forward overlaps it
-                    copy_stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(copy_stream):
-                        for name, x in fields.items():
-                            host[name].copy_(x, non_blocking=True)
-                        small_host = small.to("cpu", non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record()
-                    # Every tensor the side stream reads must outlive its copy: without this the
-                    # allocator hands their memory to the next forward while the copy is queued.
-                    # (Forgetting the `ok` mask once refused most samples of large batches as NaN/Inf.)
-                    for x in (*fields.values(), small):
-                        x.record_stream(copy_stream)
-                    small = small_host
-                else:
-                    for name, x in fields.items():
-                        host[name].copy_(x)
-                parts = [[] for _ in writers]
-                for j in range(b):
-                    parts[(i + j) % len(writers)].append(j)
-                parts = [(k, rows) for k, rows in enumerate(parts) if rows]
+                event, small = _to_host(fields, small, ring.views(slot, b, t), copy_stream)
+                parts = _deal(b, i, len(writers))
                 ring.hold(slot, len(parts))
                 for k, rows in parts:
-                    inboxes[k].put((event, slot, b, t, rows, batch, small))
+                    io.inboxes[k].put((event, slot, b, t, rows, batch, small))
                 on_batch(sum(len(r.input_ids) for r in batch))
     finally:
-        for q in inboxes:
-            q.put(None)
-        for t in threads:
-            t.join()
+        io.close()
     if failure:
         raise failure[0]
     return refused
+
+
+class _WriterThreads:
+    """One I/O thread per store writer, fed batches (their ring slot and rows) through its inbox; no
+    GPU work runs on them. A writer's error stops the feeding (`failure`, re-raised by the caller)
+    and its inbox is drained so that every ring slot is given back; `refused` counts the samples
+    the writers refused as non-finite."""
+
+    def __init__(self, writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, quant: str) -> None:
+        self.ring, self.quant = ring, quant
+        self.inboxes: list[queue.Queue] = [queue.Queue() for _ in writers]  # bounded by the ring's slots
+        self.failure: list[BaseException] = []
+        self.refused: Counter = Counter()
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(q, w), name=f"store-writer-{w.writer_id}", daemon=True)
+                        for q, w in zip(self.inboxes, writers)]
+        for t in self.threads:
+            t.start()
+
+    def _loop(self, inbox: queue.Queue, writer: ShardWriter | ProcessWriter) -> None:
+        ring, quant, item = self.ring, self.quant, ...
+        try:
+            while (item := inbox.get()) is not None:
+                event, slot, b, t, rows, batch, small = item
+                if event is not None:
+                    event.synchronize()  # the states and `small` have landed in host memory
+                w = WriteItem(slot=slot, batch=b, seq=t, rows=rows, sample_ids=[batch[j].sample_id for j in rows],
+                              input_ids=[batch[j].input_ids for j in rows], loss_masks=[batch[j].loss_mask for j in rows],
+                              ok=[bool(small[j, 0]) for j in rows],
+                              quant_sq=[(float(small[j, 1]), float(small[j, 2])) for j in rows] if quant else None)
+                n = writer.write(w) if isinstance(writer, ProcessWriter) else write_rows(writer, ring.views(slot, b, t), w)
+                with self._lock:
+                    self.refused[NONFINITE] += n
+                ring.release(w.slot)
+            writer.close()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            self.failure.append(e)
+            while item is not None and (item := inbox.get()) is not None:  # drain: give every slot back
+                ring.release(item[1])
+
+    def close(self) -> None:
+        """End of input: every thread finishes its inbox, closes its writer and is joined."""
+        for q in self.inboxes:
+            q.put(None)
+        for t in self.threads:
+            t.join()
+
+
+def _to_host(fields: dict[str, torch.Tensor], small: torch.Tensor, host: dict[str, torch.Tensor],
+             copy_stream) -> tuple[object | None, torch.Tensor]:
+    """The batch's device fields into the ring slot's host views, and `small` to the host: on the side
+    stream when there is one (the next forward overlaps the copy), with the event a writer waits
+    on; else on the compute stream. Returns (event or None, small as the writers will read it)."""
+    if copy_stream is None:
+        for name, x in fields.items():
+            host[name].copy_(x)
+        return None, small
+    copy_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(copy_stream):
+        for name, x in fields.items():
+            host[name].copy_(x, non_blocking=True)
+        small_host = small.to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    # Every tensor the side stream reads must outlive its copy: without this the allocator hands
+    # their memory to the next forward while the copy is queued. (Forgetting the `ok` mask once
+    # refused most samples of large batches as NaN/Inf.)
+    for x in (*fields.values(), small):
+        x.record_stream(copy_stream)
+    return event, small_host
+
+
+def _deal(rows: int, batch_index: int, writers: int) -> list[tuple[int, list[int]]]:
+    """(writer, its rows) for one batch: row j to writer (batch_index + j) % writers, so successive
+    batches start on successive writers; writers with no row left out."""
+    parts: list[list[int]] = [[] for _ in range(writers)]
+    for j in range(rows):
+        parts[(batch_index + j) % writers].append(j)
+    return [(k, r) for k, r in enumerate(parts) if r]
 
 
 def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tensor, att: torch.Tensor,
