@@ -70,10 +70,8 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
         raise ValueError(f"--recipe {name!r}: the only recipe is 'default'")
     import torch
 
-    from cache_format.prompts import heldout_multiturn, heldout_prompts, train_prompts
+    from cache_format.prompts import train_prompts
     from cache_format.target import load_target
-    from extract.dedup import near_duplicates
-    from extract.regenerate import regenerate
 
     d = Path(out_dir)
     (d / "parts").mkdir(parents=True, exist_ok=True)
@@ -92,69 +90,15 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
     targets = {dom: int(samples * share) for dom, share in SHARES.items()}
     targets["math"] = max(0, targets["math"] - len(packaged) * (1 + MATH_SAMPLED))
 
-    # 1. invent: each opening gets an equal share of its domain's prompts
-    for dom, openings in OPENINGS.items():
-        per = math.ceil(targets[dom] * OVERDRAW / len(openings))
-        for j, opening in enumerate(openings):
-            if per:
-                regenerate(RegenConfig(out=str(d / "parts" / f"invent_{dom}{j}.{i}.jsonl"), invent=per,
-                                       invent_prefix=opening, temperature=1.0,
-                                       max_new_tokens=invent_tokens,
-                                       seed=seed * 1000 + j, **base), loaded=loaded)
-    atomic_write_bytes(d / "parts" / f"invent.{i}.done", json.dumps({"shard": [i, n]}).encode())
-    _wait_for([d / "parts" / f"invent.{s}.done" for s in range(n)])
-
-    # 2. select (the same on every shard: a pure function of the files)
-    held = [m[-1]["content"] for _, m in heldout_prompts()]
-    held += [x["content"] for _, m in heldout_multiturn() for x in m if x["role"] == "user"]
-    kept: dict[str, list[str]] = {}
-    seen: list[str] = [m[0]["content"] for m in packaged]
-    drops = {}
-    for dom, openings in OPENINGS.items():
-        cands = [p for j in range(len(openings)) for s in range(n)
-                 for p in _read_users(d / "parts" / f"invent_{dom}{j}.{s}.jsonl")]
-        drop = set(near_duplicates(cands, reference=held + seen))
-        kept[dom] = [p for k, p in enumerate(cands) if k not in drop][: targets[dom]]
-        drops[dom] = {"invented": len(cands), "near_duplicates": len(drop), "kept": len(kept[dom])}
-        seen += kept[dom]
-        path = d / f"{dom}_prompts.jsonl"
-        if i == 0 or not path.exists():
-            _write_users(path, [[{"role": "user", "content": p}] for p in kept[dom]])
-
-    # 3. answer: this shard's share of every prompt file
-    packaged_path = d / "packaged_math_prompts.jsonl"
-    _write_users(packaged_path, packaged)
-    jobs = [("math_packaged_greedy", packaged_path, 1, 0.0), ("math_packaged_sampled", packaged_path, MATH_SAMPLED, 0.7)]
-    jobs += [(f"{dom}_invented", d / f"{dom}_prompts.jsonl", 1, 0.0) for dom in OPENINGS]
-    for tag, prompts, k, temp in jobs:
-        regenerate(RegenConfig(out=str(d / "parts" / f"{tag}.{i}.jsonl"), prompts=str(prompts), num_samples=k,
-                               temperature=temp, max_new_tokens=max_new, seed=seed + 1, **base), loaded=loaded)
-    atomic_write_bytes(d / "parts" / f"answer.{i}.done", json.dumps({"shard": [i, n]}).encode())
+    _invent(d, targets, (i, n), base, loaded, seed=seed, max_new_tokens=invent_tokens)
+    drops = _select(d, targets, (i, n), packaged)
+    jobs = _answer(d, (i, n), packaged, base, loaded, seed=seed, max_new_tokens=max_new)
     if i != 0:
         return {}
-
-    # 4. merge
     _wait_for([d / "parts" / f"answer.{s}.done" for s in range(n)])
-    counts: dict[str, int] = {}
-    tokens_chars: dict[str, int] = {}
-    tmp = d / "train.jsonl.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for tag, *_ in jobs:
-            dom = tag.split("_")[0]
-            for s in range(n):
-                p = d / "parts" / f"{tag}.{s}.jsonl"
-                with open(p, encoding="utf-8") as src:
-                    for line in src:
-                        r = json.loads(line)
-                        if not r["messages"][-1]["content"].strip():
-                            continue  # an empty answer teaches nothing
-                        r["domain"] = dom
-                        f.write(json.dumps(r, ensure_ascii=False) + "\n")
-                        counts[dom] = counts.get(dom, 0) + 1
-                        tokens_chars[dom] = tokens_chars.get(dom, 0) + len(r["messages"][-1]["content"])
-    tmp.replace(d / "train.jsonl")
+    counts, chars = _merge(d, jobs, n)
     summary = {"recipe": name, "samples_requested": samples, "samples_by_domain": counts,
-               "samples": sum(counts.values()), "answer_chars_by_domain": tokens_chars, "selection": drops,
+               "samples": sum(counts.values()), "answer_chars_by_domain": chars, "selection": drops,
                "packaged_math_prompts": len(packaged), "openings": OPENINGS, "shares": SHARES,
                "math_sampled_per_packaged_prompt": MATH_SAMPLED,
                "invent_max_new_tokens": invent_tokens,
@@ -164,3 +108,87 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
     print(f"recipe {name}: {summary['samples']} samples " + ", ".join(f"{k} {v}" for k, v in counts.items())
           + "; near-duplicates dropped: " + ", ".join(f"{k} {v['near_duplicates']}" for k, v in drops.items()))
     return summary
+
+
+def _invent(d: Path, targets: dict[str, int], shard: tuple[int, int], base: dict, loaded, *, seed: int,
+            max_new_tokens: int) -> None:
+    """Stage 1: each opening invents an equal share of its domain's prompts (OVERDRAW of them, as
+    duplicates are dropped next); then wait for every shard's invention."""
+    from extract.regenerate import regenerate
+
+    i, n = shard
+    for dom, openings in OPENINGS.items():
+        per = math.ceil(targets[dom] * OVERDRAW / len(openings))
+        for j, opening in enumerate(openings):
+            if per:
+                regenerate(RegenConfig(out=str(d / "parts" / f"invent_{dom}{j}.{i}.jsonl"), invent=per,
+                                       invent_prefix=opening, temperature=1.0, max_new_tokens=max_new_tokens,
+                                       seed=seed * 1000 + j, **base), loaded=loaded)
+    atomic_write_bytes(d / "parts" / f"invent.{i}.done", json.dumps({"shard": [i, n]}).encode())
+    _wait_for([d / "parts" / f"invent.{s}.done" for s in range(n)])
+
+
+def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: list) -> dict[str, dict[str, int]]:
+    """Stage 2, the same on every shard (a pure function of the files): near-duplicates of each other,
+    of the held-out prompts and of the packaged ones dropped; each domain's prompts written (shard 0,
+    or whichever finds the file missing). Returns the counts per domain."""
+    from cache_format.prompts import heldout_multiturn, heldout_prompts
+    from extract.dedup import near_duplicates
+
+    i, n = shard
+    held = [m[-1]["content"] for _, m in heldout_prompts()]
+    held += [x["content"] for _, m in heldout_multiturn() for x in m if x["role"] == "user"]
+    seen: list[str] = [m[0]["content"] for m in packaged]
+    drops = {}
+    for dom, openings in OPENINGS.items():
+        cands = [p for j in range(len(openings)) for s in range(n)
+                 for p in _read_users(d / "parts" / f"invent_{dom}{j}.{s}.jsonl")]
+        drop = set(near_duplicates(cands, reference=held + seen))
+        kept = [p for k, p in enumerate(cands) if k not in drop][: targets[dom]]
+        drops[dom] = {"invented": len(cands), "near_duplicates": len(drop), "kept": len(kept)}
+        seen += kept
+        path = d / f"{dom}_prompts.jsonl"
+        if i == 0 or not path.exists():
+            _write_users(path, [[{"role": "user", "content": p}] for p in kept])
+    return drops
+
+
+def _answer(d: Path, shard: tuple[int, int], packaged: list, base: dict, loaded, *, seed: int,
+            max_new_tokens: int) -> list[tuple[str, Path, int, float]]:
+    """Stage 3: this shard's share of every prompt file answered; returns the jobs (tag, prompts,
+    samples per prompt, temperature) in merge order."""
+    from extract.regenerate import regenerate
+
+    i, n = shard
+    packaged_path = d / "packaged_math_prompts.jsonl"
+    _write_users(packaged_path, packaged)
+    jobs = [("math_packaged_greedy", packaged_path, 1, 0.0), ("math_packaged_sampled", packaged_path, MATH_SAMPLED, 0.7)]
+    jobs += [(f"{dom}_invented", d / f"{dom}_prompts.jsonl", 1, 0.0) for dom in OPENINGS]
+    for tag, prompts, k, temp in jobs:
+        regenerate(RegenConfig(out=str(d / "parts" / f"{tag}.{i}.jsonl"), prompts=str(prompts), num_samples=k,
+                               temperature=temp, max_new_tokens=max_new_tokens, seed=seed + 1, **base), loaded=loaded)
+    atomic_write_bytes(d / "parts" / f"answer.{i}.done", json.dumps({"shard": [i, n]}).encode())
+    return jobs
+
+
+def _merge(d: Path, jobs: list[tuple[str, Path, int, float]], n: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Stage 4 (shard 0): every shard's answers into train.jsonl (written whole, then renamed), each
+    record tagged with its domain; empty answers left out. Returns samples and answer characters per domain."""
+    counts: dict[str, int] = {}
+    chars: dict[str, int] = {}
+    tmp = d / "train.jsonl.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for tag, *_ in jobs:
+            dom = tag.split("_")[0]
+            for s in range(n):
+                with open(d / "parts" / f"{tag}.{s}.jsonl", encoding="utf-8") as src:
+                    for line in src:
+                        r = json.loads(line)
+                        if not r["messages"][-1]["content"].strip():
+                            continue  # an empty answer teaches nothing
+                        r["domain"] = dom
+                        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+                        counts[dom] = counts.get(dom, 0) + 1
+                        chars[dom] = chars.get(dom, 0) + len(r["messages"][-1]["content"])
+    tmp.replace(d / "train.jsonl")
+    return counts, chars
