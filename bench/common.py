@@ -76,3 +76,46 @@ def tiny_tokenizer():
                                    bos_token="<|im_start|>")
     fast.chat_template = CHATML
     return fast
+
+
+def start_moto(env: dict[str, str] | None = None):
+    """moto's S3 server (its server mode: a process of its own) on a free local port, answering
+    before this returns; `env` (os.environ by default) is pointed at it for obstore. Returns
+    (the process, its endpoint URL). The object-storage tests and `python -m bench objstore` use it."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(400):
+        try:
+            urllib.request.urlopen(endpoint, timeout=1)
+            break
+        except OSError:
+            time.sleep(0.05)
+    (os.environ if env is None else env).update({
+        "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"})
+    return proc, endpoint
+
+
+def new_bucket(endpoint: str) -> str:
+    """A fresh bucket on the server at `endpoint`; its name."""
+    import urllib.request
+    import uuid
+
+    name = f"b{uuid.uuid4().hex[:12]}"
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{name}", method="PUT"), timeout=10)
+    return name
+

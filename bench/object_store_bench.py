@@ -21,39 +21,16 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
-import uuid
 from pathlib import Path
 
 import numpy as np
 
+from bench.common import new_bucket, start_moto
 from bench.train_bench import make_store
 from cache_format import StoreReader
 from cache_format.mirror import Mirror
-
-
-def _moto() -> tuple[subprocess.Popen, str]:
-    """moto's S3 server on a free port; (process, endpoint)."""
-    from extract.local_server import free_port
-
-    port = free_port()
-    exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except OSError:
-            time.sleep(0.05)
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"})
-    return proc, endpoint
 
 
 def _read_all(reader: StoreReader, order: np.ndarray) -> float:
@@ -83,10 +60,8 @@ def main() -> None:
     work = Path(a.dir or tempfile.mkdtemp(prefix="draftcache-objstore-"))
     proc, url = None, a.url
     if not url:
-        proc, endpoint = _moto()
-        bucket = f"bench{uuid.uuid4().hex[:8]}"
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{bucket}", method="PUT"), timeout=10)
-        url = f"s3://{bucket}/store"
+        proc, endpoint = start_moto()
+        url = f"s3://{new_bucket(endpoint)}/store"
     os.environ["DRAFTCACHE_STORE_CACHE"] = str(work / "cache")
     try:
         src = work / "src.zarr"

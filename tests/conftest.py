@@ -6,7 +6,6 @@ lock lets one of them convert while the others wait)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -46,45 +45,21 @@ def packaged_hf_dir(tmp_path_factory, _converted_target_cache) -> str:
 
 
 @pytest.fixture(scope="session")
-def object_server(tmp_path_factory):
+def object_server():
     """A real S3-compatible server (moto's server mode, a process of its own on a free port) and the
     environment that points obstore at it; yields a function that makes a fresh bucket URL."""
-    import shutil
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-    import uuid
+    from bench.common import new_bucket, start_moto
 
-    exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "wb")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except OSError:
-            time.sleep(0.05)
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-           "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    keys = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ALLOW_HTTP")
+    old = {k: os.environ.get(k) for k in keys}
+    proc, endpoint = start_moto()
 
     def bucket_url(prefix: str = "store") -> str:
-        name = f"b{uuid.uuid4().hex[:12]}"
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{name}", method="PUT"), timeout=10)
-        return f"s3://{name}/{prefix}"
+        return f"s3://{new_bucket(endpoint)}/{prefix}"
 
-    bucket_url.endpoint = endpoint
     yield bucket_url
     proc.terminate()
     proc.wait(timeout=10)
-    log.close()
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)

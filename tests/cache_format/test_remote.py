@@ -28,12 +28,18 @@ def _data_files(root) -> set[str]:
     return {k for k in (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) if _is_data(k)}
 
 
-def test_a_pushed_store_reads_back_by_url_fetching_only_the_shards_it_reads(tmp_path, object_server, cache):
+def _pushed(tmp_path, object_server, n: int):
+    """A finalized store of n samples written locally and pushed: (manifest, local path, URL)."""
     m = make_manifest()
     local = tmp_path / "s.zarr"
-    write_store(local, range(60), m)
+    write_store(local, range(n), m)
     url = object_server()
     Mirror(local, url).push()
+    return m, local, url
+
+
+def test_a_pushed_store_reads_back_by_url_fetching_only_the_shards_it_reads(tmp_path, object_server, cache):
+    m, local, url = _pushed(tmp_path, object_server, 60)
     reader = StoreReader(url)
     assert reader.url == url and reader.verify_shards and sorted(reader.sample_ids) == list(range(60))
     assert not _data_files(reader.root)  # opening copied the metadata only
@@ -79,11 +85,7 @@ def test_a_reader_never_meets_a_commit_without_its_shard(tmp_path, object_server
 
 
 def test_a_damaged_object_is_refused_in_one_line(tmp_path, object_server, cache):
-    m = make_manifest()
-    local = tmp_path / "s.zarr"
-    write_store(local, range(20), m)
-    url = object_server()
-    Mirror(local, url).push()
+    _, local, url = _pushed(tmp_path, object_server, 20)
     bucket = open_bucket(url)
     key = sorted(k for k in _data_files(local) if "/hidden/" in k)[0]
     data = bytearray((local / key).read_bytes())
