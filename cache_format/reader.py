@@ -54,14 +54,16 @@ class Sample:
 class StoreReader:
     """Random access to the committed samples of a store."""
 
-    def __init__(self, path: str | os.PathLike, *, verify_shards: bool = False, remote: str = "") -> None:
+    def __init__(self, path: str | os.PathLike, *, verify_shards: bool = False, remote: str = "",
+                 cache: str | os.PathLike = "") -> None:
         """path: a store directory, or a URL (cache_format.remote: the metadata is copied into its
         cache directory now, each shard on first use). remote: the URL whose local copy `path`
-        already is (DataLoader workers of a reader opened by URL). verify_shards: check each data
+        already is (DataLoader workers of a reader opened by URL). cache: the directory local copies
+        of URLs go under (default: cache_format.remote.cache_root()). verify_shards: check each data
         shard's checksums the first time this process reads from it (a mismatch is a one-line
         CacheFormatError naming shard and array); always on for a remote store."""
         self.url = str(path) if is_url(path) else remote
-        self.root = local_copy(self.url) if is_url(path) else Path(path)
+        self.root = local_copy(self.url, cache) if is_url(path) else Path(path)
         self.verify_shards, self._verified = verify_shards or bool(self.url), set()
         self.manifest: Manifest = read_manifest(self.root)
         try:
@@ -208,6 +210,16 @@ class StoreReader:
             got = dict(zip(self._arrays, flat[i * k:(i + 1) * k]))
             out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r]), quant_bits))
         return out
+
+    def prefetch(self, sample_ids, *, parallel: int = 8) -> int:
+        """A store read by URL: download, `parallel` at once, the shards of these samples that the
+        local copy lacks (training calls it for each epoch's samples of its rank, before its
+        DataLoader workers start). Returns how many files came; 0 for a local store."""
+        if not self.url:
+            return 0
+        rows = [self.index.locate(int(s)) for s in sample_ids]
+        return fetch(self.url, self.root, [str(shard_file("", key, a, shard)) for key, shard in self._shards(rows)
+                                           for a in self._tokens], parallel=parallel)
 
     def _shards(self, rows: list[int]) -> list[tuple[str, int]]:
         """(group key, shard) of every shard the index rows `rows` lie in, in order, each once."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -57,24 +58,38 @@ def is_url(path: str | os.PathLike) -> bool:
     return "://" in s and not s.startswith("file://")
 
 
+# The process that first used obstore. Its async runtime does not survive a fork: a forked child
+# (a DataLoader worker) that calls obstore hangs, so such a child downloads through a fresh
+# interpreter instead (`python -m cache_format.remote fetch ...`, see fetch).
+_obstore_pid: list[int] = []
+
+
+def _forked_after_use() -> bool:
+    return bool(_obstore_pid) and _obstore_pid[0] != os.getpid()
+
+
 def open_bucket(url: str):
     """The obstore store of `url` (bucket and prefix), configured from the environment."""
     if from_url is None:
         raise CacheFormatError(f"{url}: stores on object storage need the obstore package (pip install obstore)")
+    if _forked_after_use():
+        raise CacheFormatError(f"{url}: obstore cannot run in a process forked after its parent used it")
+    _obstore_pid[:] = _obstore_pid or [os.getpid()]
     try:
         return from_url(url)
     except Exception as e:  # noqa: BLE001 - obstore raises its own types for a bad URL or config
         raise CacheFormatError(f"{url}: cannot open the object store ({_brief(e)})") from None
 
 
-def cache_root() -> Path:
-    """Where local copies of remote stores live: $DRAFTCACHE_STORE_CACHE, else ~/.cache/draftcache/stores."""
-    return Path(os.environ.get("DRAFTCACHE_STORE_CACHE") or Path.home() / ".cache" / "draftcache" / "stores")
+def cache_root(root: str | os.PathLike = "") -> Path:
+    """Where local copies of remote stores live: `root` if given, else $DRAFTCACHE_STORE_CACHE, else
+    ~/.cache/draftcache/stores."""
+    return Path(root or os.environ.get("DRAFTCACHE_STORE_CACHE") or Path.home() / ".cache" / "draftcache" / "stores")
 
 
-def default_local(url: str) -> Path:
-    """The local directory of `url`'s copy under cache_root (one per URL)."""
-    return cache_root() / hashlib.sha256(url.encode()).hexdigest()[:16]
+def default_local(url: str, root: str | os.PathLike = "") -> Path:
+    """The local directory of `url`'s copy under cache_root(root) (one per URL)."""
+    return cache_root(root) / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
 def _brief(e: Exception) -> str:
@@ -142,18 +157,50 @@ def pull(url: str, local: str | os.PathLike, *, data: bool, bucket=None) -> Path
     return root
 
 
-def local_copy(url: str, local: str | os.PathLike | None = None) -> Path:
-    """The metadata of the store at `url` in a local directory (default: its cache directory)."""
-    return pull(url, local or default_local(url), data=False)
+def local_copy(url: str, cache: str | os.PathLike = "") -> Path:
+    """The metadata of the store at `url` in its directory under cache_root(cache)."""
+    return pull(url, default_local(url, cache), data=False)
 
 
-def fetch(url: str, local: Path, keys: list[str], bucket=None) -> None:
-    """Download the shard files `keys` (relative to the store) that `local` does not hold yet."""
+def fetch(url: str, local: Path, keys: list[str], bucket=None, *, parallel: int = 1) -> int:
+    """Download the shard files `keys` (relative to the store) that `local` does not hold yet, up to
+    `parallel` at once (I/O threads); returns how many. In a process forked after its parent used
+    obstore, through a fresh interpreter (one per call)."""
     todo = [k for k in keys if not (local / k).exists()]
-    if todo:
-        bucket = bucket or open_bucket(url)
+    if not todo:
+        return 0
+    if _forked_after_use():
+        import subprocess
+
+        done = subprocess.run([sys.executable, "-m", "cache_format.remote", "fetch", url, str(local), *todo],
+                              capture_output=True, text=True)
+        if done.returncode:
+            lines = (done.stderr or "").strip().splitlines()
+            raise CacheFormatError(lines[-1].removeprefix("error: ") if lines else f"{url}: fetch failed")
+        return len(todo)
+    bucket = bucket or open_bucket(url)
+    if parallel > 1 and len(todo) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="draftcache-fetch") as pool:
+            list(pool.map(lambda k: _download(bucket, url, k, local / k), todo))  # re-raises the first error
+    else:
         for k in todo:
             _download(bucket, url, k, local / k)
+    return len(todo)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m cache_format.remote fetch URL LOCAL KEY...`: fetch's download in a process of its own."""
+    if len(argv) < 3 or argv[0] != "fetch":
+        print("usage: python -m cache_format.remote fetch URL LOCAL KEY...", file=sys.stderr)
+        return 2
+    try:
+        fetch(argv[1], Path(argv[2]), argv[3:])
+    except CacheFormatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def lease_gone(url: str) -> str | None:
@@ -170,3 +217,5 @@ def lease_gone(url: str) -> str | None:
     return f"its writer's lease ({rec.get('holder', '?')}) expired {late:.0f} s ago" if late > 0 else None
 
 
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

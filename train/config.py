@@ -23,6 +23,9 @@ class TrainConfig:
     """The draftcache store to train from (the target is never loaded)."""
     out: str
     """Run directory: metrics.jsonl, plots, checkpoints/."""
+    cache_dir: str = ""
+    """For a store read by URL (s3://...): the local directory its metadata and fetched shards go
+    under (default: $DRAFTCACHE_STORE_CACHE, else ~/.cache/draftcache/stores); one per node."""
     num_layers: int = 1
     """Drafter depth D (DFlash uses 5; 1 trains fast on CPU)."""
     layers: tuple[int, ...] = ()
@@ -200,7 +203,8 @@ class TrainConfig:
 
 # Fields that may change on --resume without changing what is trained (the store is checked by its
 # content's identity instead of its path: a store moved elsewhere resumes, another at the same path does not).
-RESUME_FREE = ("store", "resume", "resume_from", "follow_timeout", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
+RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
+               "follow_timeout", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
                "patience",
                "loss_chunk", "loss_backward", "grad_reduce",

@@ -98,7 +98,7 @@ def open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     """The store, checked: finalized (unless following), creation files intact, holding what the loss needs."""
     if cfg.follow and not is_url(cfg.store):  # started beside stage one: the store may not exist yet
         wait_for_store(Path(cfg.store), announce=rank == 0, watch=watch)
-    reader = StoreReader(cfg.store)  # a URL: its metadata copied into the local cache, shards fetched on use
+    reader = StoreReader(cfg.store, cache=cfg.cache_dir)  # a URL: metadata copied into the cache, shards on use
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
                          "pass --follow to train while it is written")

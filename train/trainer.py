@@ -175,6 +175,8 @@ class Trainer:
         steps = self.steps_in(epoch, view)
         micro = [mb for s in steps[first:] for mb in s[self.rank * ga:(self.rank + 1) * ga]]
         keys = [(first + i // ga) * self.world * ga + self.rank * ga + i % ga for i in range(len(micro))]
+        # a store read by URL: this rank's shards of the epoch come now, in parallel, before the workers fork
+        self.reader.prefetch([s for mb in micro for s in mb])
         ds = BatchDataset(str(self.reader.root), micro, keys, self.collate, seed=cfg.seed, epoch=epoch, remote=self.reader.url,
                           verify_shards=cfg.check_shards)
         dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,

@@ -154,3 +154,24 @@ def test_pushed_complete_shards_leave_the_staging_directory_and_writing_goes_on(
     assert remote.finalized and sorted(remote.sample_ids.tolist()) == list(range(70))
     for sid in range(70):
         assert_sample_equal(remote.get(sid), make_sample(sid, sample_length(sid, m.max_len), m))
+
+
+def _read_in_child(root, url, sid, out):
+    out.put(StoreReader(root, remote=url).get(sid).input_ids.tolist())
+
+
+def test_a_worker_forked_after_its_parent_used_the_object_store_still_fetches(tmp_path, object_server, cache):
+    """obstore's runtime does not survive a fork (a DataLoader worker would hang): such a child
+    downloads through a fresh interpreter."""
+    import multiprocessing as mp
+
+    m, local, url = _pushed(tmp_path, object_server, 20)
+    parent = StoreReader(url)  # the parent has used obstore
+    parent.get(0)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_read_in_child, args=(parent.root, url, 13, q))
+    p.start()
+    p.join(60)
+    assert not p.is_alive() and p.exitcode == 0
+    assert q.get(timeout=5) == make_sample(13, sample_length(13, m.max_len), m)["input_ids"].tolist()

@@ -209,5 +209,7 @@ def test_a_store_on_object_storage_survives_sigkill_resumes_elsewhere_and_trains
     info = json.loads(res.output)
     assert res.exit_code == 0 and info["path"] == url and info["finalized"] and info["disk_bytes"] > 0
     out = train(TrainConfig(store=url, out=str(tmp_path / "run"), max_steps=4, token_budget=512, log_every=2,
-                            val_samples=0, workers=1))
+                            val_samples=0, workers=1, cache_dir=str(tmp_path / "train-cache")))
     assert out["steps"] == 4
+    fetched = [p for p in (tmp_path / "train-cache").rglob("*") if p.is_file() and "/hidden/c/" in p.as_posix()]
+    assert fetched  # --cache-dir: the run's copy and its fetched shards went there
