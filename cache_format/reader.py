@@ -8,6 +8,8 @@ third-party codec pipelines deadlock in forked children otherwise, zarrs-python#
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -55,16 +57,20 @@ class StoreReader:
     """Random access to the committed samples of a store."""
 
     def __init__(self, path: str | os.PathLike, *, verify_shards: bool = False, remote: str = "",
-                 cache: str | os.PathLike = "") -> None:
+                 cache: str | os.PathLike = "", verified_dir: str | os.PathLike = "") -> None:
         """path: a store directory, or a URL (cache_format.remote: the metadata is copied into its
         cache directory now, each shard on first use). remote: the URL whose local copy `path`
         already is (DataLoader workers of a reader opened by URL). cache: the directory local copies
         of URLs go under (default: cache_format.remote.cache_root()). verify_shards: check each data
         shard's checksums the first time this process reads from it (a mismatch is a one-line
-        CacheFormatError naming shard and array); always on for a remote store."""
+        CacheFormatError naming shard and array); always on for a remote store. verified_dir: a
+        directory the reader processes of one run share: each shard checked leaves a marker there
+        (named by its commit's checksums), so a shard is checked once per run, not once per process
+        (DataLoader workers are new processes every epoch)."""
         self.url = str(path) if is_url(path) else remote
         self.root = local_copy(self.url, cache) if is_url(path) else Path(path)
         self.verify_shards, self._verified = verify_shards or bool(self.url), set()
+        self.verified_dir = Path(verified_dir) if verified_dir else None
         self.manifest: Manifest = read_manifest(self.root)
         try:
             self.index, self._follower = load_index(self.root)
@@ -231,9 +237,20 @@ class StoreReader:
                 out[(key, shard)] = None
         return list(out)
 
+    def _marker(self, key: str, shard: int) -> Path | None:
+        """The file that says this shard, as its latest commit describes it, was checked in this run."""
+        if self.verified_dir is None:
+            return None
+        e = self.index.shards.get(key, {}).get(shard)
+        if e is None:
+            return None
+        tag = hashlib.sha256(json.dumps([e["rows"], e["crc32c"], e.get("file_crc32c")], sort_keys=True).encode())
+        return self.verified_dir / f"{key.replace('/', '-')}-{shard}-{tag.hexdigest()[:16]}"
+
     def _verify_rows(self, rows: list[int]) -> None:
         for key, shard in self._shards(rows):
-            if (key, shard) in self._verified:
+            marker = self._marker(key, shard)
+            if (key, shard) in self._verified or (marker is not None and marker.exists()):
                 continue
             why = check_shard(self, key, shard, finite=False)
             for _ in range(3 if why and (not self.finalized or self.url) else 0):
@@ -252,6 +269,9 @@ class StoreReader:
                 raise CacheFormatError(f"{where} shard {shard}: {why}; the store is damaged "
                                        f"(python -m cache_format verify {self.url or self.root})")
             self._verified.add((key, shard))
+            if marker is not None:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
 
     def _read_raw(self, r: int, quant_bits: bool) -> Sample:
         key = self.index.groups[self.index.group[r]]

@@ -107,10 +107,11 @@ class BatchDataset(torch.utils.data.Dataset):
     """Item i = the collated micro-batch i of a list; the reader opens lazily in each worker."""
 
     def __init__(self, store: str, micro: list[list[int]], keys: list[int], settings: CollateSettings, *, seed: int,
-                 epoch: int, verify_shards: bool = False, remote: str = "") -> None:
-        """store: a store directory; remote: the URL it is the local copy of (shards fetched on use)."""
+                 epoch: int, verify_shards: bool = False, remote: str = "", verified_dir: str = "") -> None:
+        """store: a store directory; remote: the URL it is the local copy of (shards fetched on use);
+        verified_dir: where the run's readers mark the shards they checked (StoreReader)."""
         self.store, self.micro, self.keys, self.verify_shards = store, micro, keys, verify_shards
-        self.remote = remote
+        self.remote, self.verified_dir = remote, verified_dir
         self.kw = {**dataclasses.asdict(settings), "tap_index": list(settings.tap_index)}
         self.seed, self.epoch = seed, epoch
         self._reader: StoreReader | None = None
@@ -120,7 +121,8 @@ class BatchDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if self._reader is None:
-            self._reader = StoreReader(self.store, verify_shards=self.verify_shards, remote=self.remote)
+            self._reader = StoreReader(self.store, verify_shards=self.verify_shards, remote=self.remote,
+                                       verified_dir=self.verified_dir)
         # a fixed mix of (seed, epoch, key): Python's hash() of ints is stable across processes
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.keys[i])
         # a quantized store's states stay quantized until to_device: fewer bytes to pin and copy, and the

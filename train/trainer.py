@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,8 @@ class Trainer:
                                  weighting=Weighting(position=cfg.position_weights, visit_weight=cfg.visit_weight))
         if self.rank == 0:  # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
+        # shards checked once per run and node, not once per worker process (workers start anew each epoch)
+        self.verified_dir = str(Path(cfg.out) / ".verified-shards" / socket.gethostname())
         self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": self.layer_ids,
                        "mask_token": m.mask_token if self.dc.mask_token_id == m.mask_token_id else "",
                        "store": str(cfg.store), "store_identity": m.identity(), "target": m.target.name,
@@ -178,7 +181,7 @@ class Trainer:
         # a store read by URL: this rank's shards of the epoch come now, in parallel, before the workers fork
         self.reader.prefetch([s for mb in micro for s in mb])
         ds = BatchDataset(str(self.reader.root), micro, keys, self.collate, seed=cfg.seed, epoch=epoch, remote=self.reader.url,
-                          verify_shards=cfg.check_shards)
+                          verify_shards=cfg.check_shards, verified_dir=self.verified_dir)
         dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,
                                          pin_memory=self.device.type == "cuda",
                                          prefetch_factor=4 if cfg.workers else None, persistent_workers=False)

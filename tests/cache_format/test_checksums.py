@@ -158,3 +158,35 @@ def test_a_follower_checking_shards_while_the_tail_shard_grows(tmp_path):
     w.flush()  # shard 0 rewritten with 60 rows; r still holds the 30-row entry
     assert [len(s.input_ids) for s in r.get_batch([0, 2])] == [10, 10]
     w.close()
+
+
+def test_a_shard_is_checked_once_per_run_not_once_per_reader_process(tmp_path, monkeypatch):
+    """verified_dir: DataLoader workers are new processes every epoch; with the run's marker directory a
+    shard checked by one reader is not checked again by the next, while a damaged shard is still
+    refused by a reader whose run has not checked it."""
+    import cache_format.reader as reader_mod
+    from cache_format import CacheFormatError, StoreReader
+    from tests.helpers import make_manifest, write_store
+
+    m = make_manifest()
+    store = tmp_path / "s.zarr"
+    write_store(store, range(30), m)
+    calls = []
+    real = reader_mod.check_shard
+    monkeypatch.setattr(reader_mod, "check_shard", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    marks = tmp_path / "run" / ".verified-shards"
+    first = StoreReader(store, verify_shards=True, verified_dir=marks)
+    first.get_batch(first.sample_ids)
+    n = len(calls)
+    assert n > 0 and len(list(marks.iterdir())) == len(set(calls))
+    again = StoreReader(store, verify_shards=True, verified_dir=marks)  # the next epoch's worker
+    again.get_batch(again.sample_ids)
+    assert len(calls) == n
+    key = sorted(again.index.shards)[0]
+    hidden = next(p for p in (store / key / "hidden" / "c").rglob("*") if p.is_file())
+    data = bytearray(hidden.read_bytes())
+    data[len(data) // 3] ^= 0x40
+    hidden.write_bytes(bytes(data))
+    fresh = StoreReader(store, verify_shards=True, verified_dir=tmp_path / "other-run" / ".verified-shards")
+    with pytest.raises(CacheFormatError, match="checksum mismatch"):
+        fresh.get_batch(fresh.sample_ids)
