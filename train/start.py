@@ -13,13 +13,18 @@ import torch
 from cache_format import StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
 from cache_format.remote import is_url
+from cache_format.schema import Manifest
 from train.checkpoint import load_checkpoint
 from train.config import RESUME_FREE, TrainConfig
 from train.follow import WriterWatch, wait_for_store
+from train.losses import Weighting, default_gamma
+from train.masks import use_flex_attention
 from train.model import DFlashDrafter, DrafterConfig
+from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
-__all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "draft_vocab_of", "drafter_config", "open_store"]
+__all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "draft_vocab_of", "drafter_config", "loss_settings",
+           "open_store", "run_record"]
 
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
 # not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
@@ -109,3 +114,25 @@ def open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     if cfg.loss != "ce" and not reader.manifest.last_hidden:
         raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
     return reader
+
+
+def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> LossSettings:
+    """How every micro-batch of the run becomes a loss (train.step.LossSettings) from the config."""
+    return LossSettings(block_size=cfg.block_size, gamma=cfg.gamma or default_gamma(cfg.block_size),
+                        kl_weight=cfg.effective_kl_weight,
+                        use_flex=use_flex_attention(cfg.attention, device.type, dc.head_dim),
+                        chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile,
+                        weighting=Weighting(position=cfg.position_weights, visit_weight=cfg.visit_weight))
+
+
+def run_record(cfg: TrainConfig, dc: DrafterConfig, m: Manifest, layer_ids: list[int], *, total_steps: int,
+               draft_vocab_coverage: float) -> dict[str, Any]:
+    """What every checkpoint's state.json records of the run: the config, the drafter, the store's
+    identity and the target (export and eval read these)."""
+    return {"train": cfg.to_dict(), "drafter": dc.to_dict(), "layer_ids": layer_ids,
+            "mask_token": m.mask_token if dc.mask_token_id == m.mask_token_id else "",
+            "store": str(cfg.store), "store_identity": m.identity(), "target": m.target.name,
+            "target_sha256": m.target.sha256, "total_steps": total_steps,
+            "num_target_layers": m.target.num_layers, "draft_vocab_coverage": draft_vocab_coverage,
+            "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
+

@@ -28,11 +28,20 @@ from train.data import BatchDataset, CollateSettings, holdout_mask, plan_epoch, 
 from train.data_parallel import data_parallel
 from train.export import start_weights
 from train.follow import StoreView, WriterWatch, agree_view, view_of
-from train.losses import Weighting, acceptance_from_acc, default_gamma
-from train.masks import use_flex_attention
+from train.losses import acceptance_from_acc
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
-from train.start import BEST_BY, best_state, build_drafter, check_resume, draft_vocab_of, drafter_config, open_store
-from train.step import LossSettings, StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
+from train.start import (
+    BEST_BY,
+    best_state,
+    build_drafter,
+    check_resume,
+    draft_vocab_of,
+    drafter_config,
+    loss_settings,
+    open_store,
+    run_record,
+)
+from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
 
@@ -99,21 +108,13 @@ class Trainer:
         if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
             self.model.compile_layers()
         self.ddp = data_parallel(self.model, grad_reduce=cfg.grad_reduce) if self.world > 1 else self.model
-        self.loss = LossSettings(block_size=cfg.block_size, gamma=cfg.gamma or default_gamma(cfg.block_size),
-                                 kl_weight=cfg.effective_kl_weight,
-                                 use_flex=use_flex_attention(cfg.attention, self.device.type, self.dc.head_dim),
-                                 chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile,
-                                 weighting=Weighting(position=cfg.position_weights, visit_weight=cfg.visit_weight))
+        self.loss = loss_settings(cfg, self.device, self.dc)
         if self.rank == 0:  # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
         # shards checked once per run and node, not once per worker process (workers start anew each epoch)
         self.verified_dir = str(Path(cfg.out) / ".verified-shards" / socket.gethostname())
-        self.record = {"train": cfg.to_dict(), "drafter": self.dc.to_dict(), "layer_ids": self.layer_ids,
-                       "mask_token": m.mask_token if self.dc.mask_token_id == m.mask_token_id else "",
-                       "store": str(cfg.store), "store_identity": m.identity(), "target": m.target.name,
-                       "target_sha256": m.target.sha256, "total_steps": self.total,
-                       "num_target_layers": m.target.num_layers, "draft_vocab_coverage": self.vocab_coverage,
-                       "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
+        self.record = run_record(cfg, self.dc, m, self.layer_ids, total_steps=self.total,
+                                 draft_vocab_coverage=self.vocab_coverage)
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                               config={k: self.record[k] for k in ("train", "drafter")})
         self.val_ds = self._holdout_dataset()
