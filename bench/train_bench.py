@@ -90,7 +90,57 @@ def flops_per_step(dc: DrafterConfig, batch: dict, anchors_per_seq: int) -> floa
     return 6 * q * layer * dc.num_layers + 6 * t * (5 * h * h + kv * dc.num_layers) + 4 * pos * vocab * h + attn
 
 
-def main() -> None:
+def _rounds(variants: dict, rounds: int, dev: torch.device) -> tuple[dict, dict, float | None]:
+    """Each variant once per round, in turn: (seconds per round, share of them spent waiting for
+    data, GPU memory high-water mark of the first in-memory round in GiB, batches, model and
+    optimizer included)."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    waits: dict[str, list[float]] = {k: [] for k in variants}
+    peak_gib = None
+    for r in range(rounds):
+        for name, run in variants.items():
+            first_mem = dev.type == "cuda" and name == "memory" and r == 0
+            if first_mem:
+                torch.cuda.reset_peak_memory_stats()
+            t, w = run()
+            times[name].append(t)
+            waits[name].append(w / t)
+            if first_mem:
+                peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    return times, waits, peak_gib
+
+
+def _profile(step, batches: list, dev: torch.device, sync) -> None:
+    """Profile `step` over `batches` (already on the device); print the top 30 ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for b in batches:
+            step(b)
+        sync()
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+
+
+def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | None, *, positions: int, flops: float,
+            model: torch.nn.Module, dev: torch.device) -> dict:
+    """The bench's JSON line: medians over the rounds, rates, ratios to in-memory, MFU."""
+    t_mem, t_store, t_side = (statistics.median(times[k]) for k in ("memory", "store", "store_side_stream"))
+    return {"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                      "layers": a.layers, "compile": a.compile, "loss_chunk": a.loss_chunk,
+                      "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
+                      "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
+                      "ratio": t_mem / t_store, "data_wait_frac": statistics.median(waits["store"]),
+                      "positions_per_s_store_side_stream": positions / t_side, "ratio_side_stream": t_mem / t_side,
+                      "rounds": a.rounds, "seconds_per_round": times, "peak_gib_memory": peak_gib,
+                      "tflops_memory": flops / t_mem / 1e12, "mfu_memory": flops / t_mem / 1e12 / a.peak_tflops,
+                      "mfu_store": flops / t_store / 1e12 / a.peak_tflops, "trainable_params":
+                      sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default="/dev/shm/draftcache_train_bench.zarr")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -116,7 +166,11 @@ def main() -> None:
     ap.add_argument("--loss-backward", default="fused", choices=LOSS_BACKWARDS,
                     help="as --loss-backward in train")
     ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
-    a = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    a = _parser().parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     make_store(a.store, a.shape, a.samples, a.seq, dtype=a.dtype)
     dc = drafter_config(a.shape, a.layers, a.block_size, a.draft_vocab)
@@ -177,41 +231,10 @@ def main() -> None:
 
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     variants = {"memory": in_memory, "store": lambda: from_store(None), "store_side_stream": lambda: from_store(side)}
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    waits: dict[str, list[float]] = {k: [] for k in variants}
-    peak_gib = None  # GPU memory high-water mark of the first in-memory round (batches, model, optimizer included)
-    for r in range(a.rounds):
-        for name, run in variants.items():
-            first_mem = dev.type == "cuda" and name == "memory" and r == 0
-            if first_mem:
-                torch.cuda.reset_peak_memory_stats()
-            t, w = run()
-            times[name].append(t)
-            waits[name].append(w / t)
-            if first_mem:
-                peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    times, waits, peak_gib = _rounds(variants, a.rounds, dev)
     if a.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            for b in gpu[a.warmup: a.warmup + a.profile]:
-                step(b)
-            sync()
-        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
-    t_mem, t_store, t_side = (statistics.median(times[k]) for k in variants)
-    print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                      "layers": a.layers, "compile": a.compile, "loss_chunk": a.loss_chunk,
-                      "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
-                      "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
-                      "ratio": t_mem / t_store, "data_wait_frac": statistics.median(waits["store"]),
-                      "positions_per_s_store_side_stream": positions / t_side, "ratio_side_stream": t_mem / t_side,
-                      "rounds": a.rounds, "seconds_per_round": times, "peak_gib_memory": peak_gib,
-                      "tflops_memory": flops / t_mem / 1e12, "mfu_memory": flops / t_mem / 1e12 / a.peak_tflops,
-                      "mfu_store": flops / t_store / 1e12 / a.peak_tflops, "trainable_params":
-                      sum(p.numel() for p in model.parameters() if p.requires_grad)}))
-
+        _profile(step, gpu[a.warmup: a.warmup + a.profile], dev, sync)
+    print(json.dumps(_report(a, times, waits, peak_gib, positions=positions, flops=flops, model=model, dev=dev)))
 
 if __name__ == "__main__":
     main()
