@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_format import StoreReader
+from cache_format import CacheFormatError, StoreReader
 
 __all__ = ["StoreView", "WriterWatch", "agree_view", "view_of", "wait_for_store"]
 
@@ -50,13 +50,24 @@ def view_of(reader: StoreReader) -> StoreView:
     return StoreView(np.sort(reader.sample_ids), reader.finalized)
 
 
-def wait_for_store(root: Path, *, announce: bool, poll_s: float = 1.0, watch: WriterWatch | None = None) -> None:
+def wait_for_store(root: str | Path, *, announce: bool, poll_s: float = 1.0, watch: WriterWatch | None = None) -> None:
     """Block until stage one has created the store and saved the frozen target parts (the last
-    things it writes before any sample), so `make extract` and `make train --follow` can start together."""
+    things it writes before any sample), so `make extract` and `make train --follow` can start together.
+    `root` may be a URL: then both must be on the object server."""
     from cache_format.layout import FROZEN_FILE
+    from cache_format.remote import is_url, object_sizes
+
+    def there() -> bool:
+        if is_url(root):
+            try:
+                have = object_sizes(str(root))
+            except CacheFormatError:
+                return False  # not reachable yet, or nothing there: the watch decides when to give up
+            return "zarr.json" in have and FROZEN_FILE in have
+        return (Path(root) / "zarr.json").exists() and (Path(root) / FROZEN_FILE).exists()
 
     said = False
-    while not ((root / "zarr.json").exists() and (root / FROZEN_FILE).exists()):
+    while not there():
         if announce and not said:
             print(f"waiting for stage one to create {root} ...", flush=True)
             said = True

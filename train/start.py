@@ -12,7 +12,6 @@ import torch
 
 from cache_format import StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
-from cache_format.remote import is_url
 from cache_format.schema import Manifest
 from train.checkpoint import load_checkpoint
 from train.config import RESUME_FREE, TrainConfig
@@ -101,8 +100,8 @@ def best_state(ck: Path) -> dict[str, Any]:
 
 def open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     """The store, checked: finalized (unless following), creation files intact, holding what the loss needs."""
-    if cfg.follow and not is_url(cfg.store):  # started beside stage one: the store may not exist yet
-        wait_for_store(Path(cfg.store), announce=rank == 0, watch=watch)
+    if cfg.follow:  # started beside stage one: the store may not exist yet (here or on the object server)
+        wait_for_store(cfg.store, announce=rank == 0, watch=watch)
     reader = StoreReader(cfg.store, cache=cfg.cache_dir)  # a URL: metadata copied into the cache, shards on use
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "

@@ -26,8 +26,7 @@ def create(path: str) -> None:
                         "lm_head.weight": torch.randn(100, 8, generator=g), "norm.weight": torch.ones(8)})
 
 
-if __name__ == "__main__":
-    path, total, bursts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def write(path: str, total: int, bursts: int) -> None:
     time.sleep(2.0)
     create(path)
     m = read_manifest(path)
@@ -38,3 +37,15 @@ if __name__ == "__main__":
                 w.flush()  # commit what is there: a follower can train on it
                 time.sleep(1.5)
     finalize_store(path, m)
+
+
+if __name__ == "__main__":
+    path, total, bursts = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if "://" in path:  # a store on object storage: written in a stage directory, mirrored as extraction does
+        from cache_format.mirror import writing_to
+
+        stage = sys.argv[4]
+        with writing_to(path, stage, ttl=1.2):
+            write(stage, total, bursts)
+    else:
+        write(path, total, bursts)

@@ -478,3 +478,22 @@ def test_damaged_run_directory_files_resume_or_fail_in_one_line_naming_the_file(
     res = CliRunner().invoke(train_main, args)
     assert res.exit_code == 2 and f"{best.name}/state.json" in res.output and "Traceback" not in res.output, res.output
     assert len(res.output.strip().splitlines()) == 1
+
+
+def test_follow_mode_trains_from_object_storage_while_stage_one_mirrors(tmp_path, object_server, monkeypatch):
+    """train --follow on a URL: the trainer waits for the store to appear on the object server, trains
+    on what the writer's mirror has pushed, and its last epoch sees the finalized store."""
+    monkeypatch.setenv("DRAFTCACHE_STORE_CACHE", str(tmp_path / "cache"))
+    url = object_server()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    writer = subprocess.Popen([sys.executable, "-m", "tests.train.follow_writer", url, "60", "4", str(tmp_path / "stage")],
+                              cwd=ROOT, env=env)
+    try:
+        res = train(TrainConfig(store=url, out=str(tmp_path / "run"), num_layers=1, block_size=4, num_anchors=8,
+                                epochs=3, token_budget=128, log_every=1, workers=1, follow=True))
+    finally:
+        writer.wait(60)
+    assert writer.returncode == 0
+    assert res["finalized"] and res["samples_last_epoch"] == 60
+    rows = _metrics(tmp_path / "run")
+    assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
