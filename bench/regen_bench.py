@@ -92,6 +92,30 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     return {"identical": same / max(1, len(a)), "common_prefix_tokens": pref / max(1, tot)}
 
 
+def _timed(a: argparse.Namespace, path: str, mode: str, model, tok, prompts: list, eos: list[int],
+           dev: torch.device) -> tuple[dict, list | None]:
+    """One path in one mode over every prompt: (its row, its outputs or None where it failed)."""
+    temp = 0.0 if mode == "greedy" else 0.8
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    try:
+        if path == "hf":
+            o = run_hf(model, tok, prompts, max_new=a.max_new_tokens, batch=a.hf_batch, temperature=temp, eos=eos)
+        elif path == "static":
+            o = run_static(model, prompts, max_new=a.max_new_tokens, batch=a.batch, temperature=temp, eos=eos,
+                           sync_every=a.sync_every, prefill_tokens=a.prefill_tokens)
+        else:
+            o = run_cb(model, prompts, max_new=a.max_new_tokens, temperature=temp, eos=eos, cb=json.loads(a.cb))
+    except Exception as e:  # noqa: BLE001 - a path that does not run on this version is reported, not fatal
+        return {"path": path, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"}, None
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    s, n = time.perf_counter() - t0, sum(map(len, o))
+    return {"path": path, "mode": mode, "seconds": round(s, 2), "new_tokens": n, "tok_per_s": round(n / s, 1),
+            "ended_on_eos": sum(1 for x in o if x and x[-1] in eos)}, o
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prompts", type=int, default=1024)
@@ -126,31 +150,11 @@ def main() -> None:
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, device {dev}, dtype {model.dtype}", flush=True)
     rows, outs = [], {}
     for mode in a.modes.split(","):
-        temp = 0.0 if mode == "greedy" else 0.8
         for path in a.paths.split(","):
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            try:
-                if path == "hf":
-                    o = run_hf(model, tok, prompts, max_new=a.max_new_tokens, batch=a.hf_batch, temperature=temp, eos=eos)
-                elif path == "static":
-                    o = run_static(model, prompts, max_new=a.max_new_tokens, batch=a.batch, temperature=temp, eos=eos,
-                                   sync_every=a.sync_every, prefill_tokens=a.prefill_tokens)
-                else:
-                    o = run_cb(model, prompts, max_new=a.max_new_tokens, temperature=temp, eos=eos, cb=json.loads(a.cb))
-            except Exception as e:  # a path that does not run on this version is reported, not fatal
-                rows.append({"path": path, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                print(rows[-1], flush=True)
-                continue
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            s = time.perf_counter() - t0
-            n = sum(map(len, o))
-            outs[(path, mode)] = o
-            row = {"path": path, "mode": mode, "seconds": round(s, 2), "new_tokens": n, "tok_per_s": round(n / s, 1),
-                   "ended_on_eos": sum(1 for x in o if x and x[-1] in eos)}
+            row, o = _timed(a, path, mode, model, tok, prompts, eos, dev)
             rows.append(row)
+            if o is not None:
+                outs[(path, mode)] = o
             print(json.dumps(row), flush=True)
     for row in rows:  # after all runs: the paths may come in any order
         if row["mode"] == "greedy" and row["path"] != "hf" and "error" not in row and ("hf", "greedy") in outs:
