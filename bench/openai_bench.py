@@ -27,8 +27,8 @@ def main() -> None:
     a = ap.parse_args()
 
     from cache_format.target import save_hf_dir
-    from extract.local_server import LocalServer
-    from extract.regenerate import regenerate
+    from extract.regenerate.answers import regenerate
+    from extract.regenerate.local_server import LocalServer
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -5,7 +5,7 @@
 
 Paths (each over the same prompts, shortest first):
   hf       today's `extract.regenerate --engine hf`: HF `generate`, dynamic cache, padded batches
-  static   extract.engine.StaticEngine (CUDA-graphed decode step, rows refilled from the queue)
+  static   extract.regenerate.static_engine.StaticEngine (CUDA-graphed decode step, rows refilled from the queue)
   cb       transformers' continuous batching (`generate_batch`) with the given config, if it runs
 greedy and sampled (T 0.8, top-k 50, top-p 0.95). For greedy, the static engine's outputs are
 compared with the hf path's token for token (bf16 on a GPU: ties can flip with batch shape).
@@ -30,7 +30,7 @@ def _prompts(tok, n: int) -> list[list[int]]:
 
 def run_hf(model, tok, prompts, *, max_new: int, batch: int, temperature: float, eos: list[int]) -> list[list[int]]:
     """Today's path: `extract.regenerate --engine hf`'s own generator, over every prompt once."""
-    from extract.regenerate import RegenConfig, hf_tokens
+    from extract.regenerate.answers import RegenConfig, hf_tokens
 
     cfg = RegenConfig(out="-", temperature=temperature, max_new_tokens=max_new)
     outs: list[list[int]] = [[] for _ in prompts]
@@ -41,8 +41,8 @@ def run_hf(model, tok, prompts, *, max_new: int, batch: int, temperature: float,
 
 def run_static(model, prompts, *, max_new: int, batch: int, temperature: float, eos: list[int], sync_every: int,
                prefill_tokens: int) -> list[list[int]]:
-    from extract.engine import Request, StaticEngine
-    from extract.sampling import request_key
+    from extract.regenerate.sampling import request_key
+    from extract.regenerate.static_engine import Request, StaticEngine
 
     eng = StaticEngine(model, batch=batch, max_new_tokens=max_new, eos=eos, temperature=temperature,
                        sync_every=sync_every, prefill_tokens=prefill_tokens)

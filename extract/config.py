@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_format.schema import DTYPES
-from extract.regen_config import parse_template_kwargs
+from extract.regenerate.config import parse_template_kwargs
 
 __all__ = ["ExtractConfig"]
 

@@ -67,7 +67,7 @@ def _default_data(cfg: ExtractConfig, world: World) -> str:
     """The packaged prompts with target-generated responses (rank 0 generates once per identity)."""
     path = default_data_path(cfg)
     if not path.exists() and world.rank == 0:
-        from extract.regenerate import regenerate
+        from extract.regenerate.answers import regenerate
 
         path.parent.mkdir(parents=True, exist_ok=True)
         # two extractions at once: one builds, the other waits for it and then reads what it built

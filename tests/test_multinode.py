@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from extract.config import ExtractConfig
-from extract.local_server import free_port
+from extract.regenerate.local_server import free_port
 from extract.run import run as extract
 from tests.helpers import assert_same_content, content, tiny_target_dir, write_chats
 from train.checkpoint import latest_checkpoint, load_checkpoint

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from extract.dedup import jaccard, near_duplicates, shingles
+from extract.regenerate.dedup import jaccard, near_duplicates, shingles
 
 
 def _naive(texts, reference, threshold):

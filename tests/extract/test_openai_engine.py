@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from extract.local_server import LocalServer, free_port
-from extract.regenerate import regenerate
+from extract.regenerate.answers import regenerate
+from extract.regenerate.local_server import LocalServer, free_port
 
 pytestmark = pytest.mark.slow
 

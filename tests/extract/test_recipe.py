@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from extract.dedup import jaccard, shingles
+from extract.regenerate.dedup import jaccard, shingles
 from tests.helpers import tiny_target_dir
 
 
@@ -24,7 +24,7 @@ def _shard(out, target, shard):
 
 def _in_process(capsys, out, target) -> str:
     """The CLI in this process (one process needs no barrier partner): what it printed."""
-    from extract.regenerate import main
+    from extract.regenerate.__main__ import main
 
     main.main(_args(out, target), standalone_mode=False)
     got = capsys.readouterr()

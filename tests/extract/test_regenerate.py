@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from extract.regenerate import pre_query_text, regenerate
+from extract.regenerate.answers import pre_query_text, regenerate
 from tests.helpers import tiny_target_dir, write_chats
 
 
@@ -152,7 +152,7 @@ def test_multi_turn_resume_goes_on_from_each_conversations_next_turn(tmp_path):
     keep = sorted(one)[:3]
     cut.write_text("".join(json.dumps({"messages": one[j], "prompt_index": j[0], "sample": j[1]}) + "\n" for j in keep))
     half = sorted(one)[3:5]
-    from extract.turns import conversation_key
+    from extract.regenerate.turns import conversation_key
 
     key = {j: conversation_key([m for m in one[j] if m["role"] != "assistant"]) for j in half}
     log = [json.dumps({"key": key[j], "sample": j[1], "turn": 0, "content": one[j][1]["content"]}) for j in half]
@@ -166,7 +166,7 @@ def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(tmp_p
     from transformers import AutoTokenizer
 
     from cache_format.target import chat_ids
-    from extract.regen_config import RegenConfig
+    from extract.regenerate.config import RegenConfig
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir(tmp_path / "t", "llama"))
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}LOUD{% endif %}"

@@ -1,6 +1,6 @@
 """Choosing the next token: greedy, or temperature + top-k + top-p sampling with per-request noise.
 
-The static engine (extract/engine.py) serves many requests in one batch whose make-up changes
+The static engine (extract/regenerate/static_engine.py) serves many requests in one batch whose make-up changes
 every few steps (finished rows are refilled from the queue). For a request's text to depend only
 on its own seed, never on which rows it shared a batch with, the sampling noise is a pure function
 of (request key, step, candidate rank): a counter-based hash, not a stateful generator. So a

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from extract.plan import token_budget_batches
-from extract.sampling import choose_next
+from extract.regenerate.sampling import choose_next
 
 __all__ = ["Request", "StaticEngine", "supports"]
 
@@ -52,7 +52,7 @@ class Request:
     """The caller's handle, returned with the tokens."""
     prompt: Sequence[int]
     key: int
-    """32-bit sampling-noise key (extract.sampling.request_key)."""
+    """32-bit sampling-noise key (extract.regenerate.sampling.request_key)."""
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

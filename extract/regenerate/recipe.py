@@ -9,7 +9,7 @@ Stages (each resumable; a stage's marker file is written when it is complete):
 1. invent: user prompts made up by the target (Magpie) for invented math word problems, Python
    tasks and everyday chat, several steering openings per domain (`OPENINGS`), sampled at T 1.0,
    at most `INVENT_TOKENS` tokens each (fewer where --max-new-tokens is smaller);
-2. select: near-duplicate prompts are dropped (extract.dedup), also those echoing a held-out
+2. select: near-duplicate prompts are dropped (extract.regenerate.dedup), also those echoing a held-out
    prompt (GSM8K[:100], HumanEval, the chat set); every shard computes the same selection;
 3. answer: every kept prompt answered greedily (the drafter is judged on greedy decoding), and the
    packaged math prompts (GSM8K minus held-out, GPQA, AIME) also `MATH_SAMPLED` times at T 0.7;
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from cache_format.layout import atomic_write_bytes
-from extract.regen_config import RegenConfig
+from extract.regenerate.config import RegenConfig
 
 __all__ = ["OPENINGS", "SHARES", "build_recipe"]
 
@@ -114,7 +114,7 @@ def _invent(d: Path, targets: dict[str, int], shard: tuple[int, int], base: dict
             max_new_tokens: int) -> None:
     """Stage 1: each opening invents an equal share of its domain's prompts (OVERDRAW of them, as
     duplicates are dropped next); then wait for every shard's invention."""
-    from extract.regenerate import regenerate
+    from extract.regenerate.answers import regenerate
 
     i, n = shard
     for dom, openings in OPENINGS.items():
@@ -133,7 +133,7 @@ def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: 
     of the held-out prompts and of the packaged ones dropped; each domain's prompts written (shard 0,
     or whichever finds the file missing). Returns the counts per domain."""
     from cache_format.prompts import heldout_multiturn, heldout_prompts
-    from extract.dedup import near_duplicates
+    from extract.regenerate.dedup import near_duplicates
 
     i, n = shard
     held = [m[-1]["content"] for _, m in heldout_prompts()]
@@ -157,7 +157,7 @@ def _answer(d: Path, shard: tuple[int, int], packaged: list, base: dict, loaded,
             max_new_tokens: int) -> list[tuple[str, Path, int, float]]:
     """Stage 3: this shard's share of every prompt file answered; returns the jobs (tag, prompts,
     samples per prompt, temperature) in merge order."""
-    from extract.regenerate import regenerate
+    from extract.regenerate.answers import regenerate
 
     i, n = shard
     packaged_path = d / "packaged_math_prompts.jsonl"

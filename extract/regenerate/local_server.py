@@ -1,8 +1,8 @@
 """A local OpenAI-compatible server for trying the openai engine without a GPU cluster.
 
-    python -m extract.local_server --port 8011          # packaged SmolLM2 on 127.0.0.1:8011
+    python -m extract.regenerate.local_server --port 8011          # packaged SmolLM2 on 127.0.0.1:8011
     python -m extract.regenerate --engine openai --base-url http://127.0.0.1:8011/v1 \\
-        --model "$(python -m extract.local_server --print-model)" --out x.jsonl --limit 8
+        --model "$(python -m extract.regenerate.local_server --print-model)" --out x.jsonl --limit 8
 
 It runs transformers' own server (`transformers serve`, the `serving` extra of transformers) on a
 plain HF directory written from the target (cache_format.target.save_hf_dir). The tests and

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from cache_format.logs import read_commit_log
-from extract.sampling import request_key
+from extract.regenerate.sampling import request_key
 
 __all__ = ["TurnLog", "conversation_key", "turn_key"]
 

@@ -1,0 +1,38 @@
+"""`python -m extract.regenerate`: the command line over extract.regenerate.answers (see the package doc)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import click
+
+from cache_format.cli import config_command
+from extract.regenerate.answers import regenerate
+from extract.regenerate.config import RegenConfig
+
+
+@config_command(RegenConfig, seps={"shard": "/"}, extra=(
+    click.Option(["--recipe"], default="", help="'default': build the math + code + chat dataset into --out DIR."),
+    click.Option(["--recipe-samples"], default=100_000, show_default=True, help="--recipe: samples in all."),
+))
+def main(cfg: RegenConfig, recipe: str, recipe_samples: int) -> None:
+    """Generate target responses for prompts into a training JSONL."""
+    try:
+        if recipe:
+            from extract.regenerate.recipe import build_recipe
+
+            kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}
+            build_recipe(recipe, out_dir=cfg.out, samples=recipe_samples, **kw)
+            return
+        res = regenerate(cfg)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"wrote {res.written} conversations to {cfg.out}")
+    if res.failed:  # nothing is dropped silently: the errors file lists them, a rerun retries them
+        click.echo(f"error: {res.failed} requests failed; see {cfg.out}.errors.jsonl and rerun to retry them", err=True)
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()
