@@ -40,6 +40,7 @@ __all__ = [
     "read_manifest",
     "read_root_attrs",
     "shard_file",
+    "shard_keys",
     "token_arrays",
     "update_root_attrs",
     "write_raw_shard",
@@ -82,6 +83,12 @@ def shard_file(root: str | os.PathLike, key: str, a: TokenArray, shard: int) -> 
     """The file holding shard `shard` of array `a` (2-D arrays are sharded, 1-D are plain chunks)."""
     base = Path(root) / key / a.name / "c" / str(shard)
     return base / "0" if a.width else base
+
+
+def shard_keys(arrays: list[TokenArray], key: str, shard: int) -> list[str]:
+    """The store-relative keys of shard `shard` of group `key`, one file per token array (what a
+    remote store fetches or uploads as a unit)."""
+    return [shard_file("", key, a, shard).as_posix() for a in arrays]
 
 
 def commit_log_path(root: str | os.PathLike, writer: int) -> Path:

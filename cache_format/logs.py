@@ -9,7 +9,7 @@ from typing import Any
 
 from cache_format.errors import CacheFormatError
 
-__all__ = ["read_commit_log"]
+__all__ = ["committed_rows", "parse_commit_lines", "read_commit_log"]
 
 
 def read_commit_log(path: str | os.PathLike, *, repair: bool = False,
@@ -27,14 +27,33 @@ def read_commit_log(path: str | os.PathLike, *, repair: bool = False,
         f.seek(start)
         data = f.read()
     cut = data.rfind(b"\n") + 1
-    entries = []
-    for lineno, line in enumerate(data[:cut].splitlines(), 1):
-        if line.strip():
-            try:
-                entries.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise CacheFormatError(f"{path}: done-log entry {lineno} is corrupt") from None
+    entries = parse_commit_lines(data[:cut], str(path))
     if repair and cut < len(data):
         with open(path, "r+b") as f:
             f.truncate(start + cut)
     return entries, start + cut
+
+
+def parse_commit_lines(data: bytes, where: str) -> list[dict[str, Any]]:
+    """The entries of whole done-log lines `data` (a file's, or a snapshot of one); a line that is
+    not JSON is one CacheFormatError naming `where` and the entry."""
+    entries = []
+    for lineno, line in enumerate(data.splitlines(), 1):
+        if line.strip():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise CacheFormatError(f"{where}: done-log entry {lineno} is corrupt") from None
+    return entries
+
+
+def committed_rows(entries: list[dict[str, Any]]) -> dict[int, int]:
+    """{bucket: rows} the committed samples of one writer's entries fill. A shard's entry may hold
+    more rows (a sample that continues into a later shard is not committed yet); a resuming writer
+    keeps exactly these."""
+    rows: dict[int, int] = {}
+    for e in entries:
+        for _, length in e["samples"]:
+            rows[e["bucket"]] = rows.get(e["bucket"], 0) + int(length)
+    return rows
+

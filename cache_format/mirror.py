@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from cache_format.errors import CacheFormatError
+from cache_format.layout import group_key, read_manifest, shard_keys, token_arrays
+from cache_format.logs import committed_rows, parse_commit_lines
 from cache_format.remote import (
     LEASE_KEY,
     AlreadyExistsError,
@@ -28,6 +30,7 @@ from cache_format.remote import (
     open_bucket,
     pull,
 )
+from cache_format.schema import Manifest
 
 __all__ = ["Lease", "Mirror", "clear", "writing_to"]
 
@@ -96,41 +99,25 @@ class Lease:
             self.etag = None
 
 
-def _complete_shards(local: Path, logs: dict[str, bytes]) -> list[str]:
+def _writer_entries(logs: dict[str, bytes]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(writer id, entries) of done-log snapshots {"commits/wNNNNN.jsonl": whole lines}."""
+    return [(int(Path(key).stem[1:]), parse_commit_lines(raw, key)) for key, raw in logs.items()]
+
+
+def _complete_shards(m: Manifest, logs: dict[str, bytes]) -> list[str]:
     """The data files (relative keys) of the complete shards that the done-log snapshots commit."""
-    from cache_format.layout import group_key, read_manifest, shard_file, token_arrays
-
-    m = read_manifest(local)
-    out = []
-    for key, raw in logs.items():
-        writer = int(Path(key).stem[1:])
-        for line in raw.splitlines():
-            e = json.loads(line) if line.strip() else {}
-            if e.get("rows") == m.rows_per_shard:
-                out += [shard_file("", group_key(writer, e["bucket"]), a, e["shard"]).as_posix()
-                        for a in token_arrays(m)]
-    return out
+    arrays = token_arrays(m)
+    return [k for writer, entries in _writer_entries(logs) for e in entries if e["rows"] == m.rows_per_shard
+            for k in shard_keys(arrays, group_key(writer, e["bucket"]), e["shard"])]
 
 
-def _committed_ends(local: Path, logs: dict[str, bytes]) -> list[str]:
+def _committed_ends(m: Manifest, logs: dict[str, bytes]) -> list[str]:
     """The data files of the shard each writer's committed rows end inside, per bucket: a resuming
     writer reads that shard's committed rows back into its buffer (ShardWriter._recover), and it may
     be a complete shard (a sample that began in it was not committed)."""
-    from cache_format.layout import group_key, read_manifest, shard_file, token_arrays
-
-    m = read_manifest(local)
-    out = []
-    for key, raw in logs.items():
-        writer, rows = int(Path(key).stem[1:]), {}
-        for line in raw.splitlines():
-            e = json.loads(line) if line.strip() else {}
-            for _, n in e.get("samples", []):
-                rows[e["bucket"]] = rows.get(e["bucket"], 0) + int(n)
-        for bucket, n in rows.items():
-            if n % m.rows_per_shard:
-                out += [shard_file("", group_key(writer, bucket), a, n // m.rows_per_shard).as_posix()
-                        for a in token_arrays(m)]
-    return out
+    arrays = token_arrays(m)
+    return [k for writer, entries in _writer_entries(logs) for bucket, n in committed_rows(entries).items()
+            if n % m.rows_per_shard for k in shard_keys(arrays, group_key(writer, bucket), n // m.rows_per_shard)]
 
 
 class Mirror:
@@ -171,7 +158,7 @@ class Mirror:
         self.bytes_sent += len(data)
 
     def _evict(self, logs: dict[str, bytes]) -> None:
-        for key in _complete_shards(self.local, logs):
+        for key in _complete_shards(read_manifest(self.local), logs):
             p = self.local / key
             try:
                 st = p.stat()
@@ -239,8 +226,9 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
         elif there:  # a resume: the metadata, done-logs and tail shards (a writer never reads a complete one)
             pull(url, local, data=False, bucket=lease.bucket)
             logs = {f"commits/{p.name}": p.read_bytes() for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
-            complete = set(_complete_shards(Path(local), logs))
-            needed = {k for k in there if _is_data(k) and k not in complete} | set(_committed_ends(Path(local), logs))
+            m = read_manifest(Path(local))
+            complete = set(_complete_shards(m, logs))
+            needed = {k for k in there if _is_data(k) and k not in complete} | set(_committed_ends(m, logs))
             fetch(url, Path(local), sorted(needed & there), lease.bucket)
     except BaseException:
         lease.release()

@@ -30,6 +30,7 @@ from cache_format.layout import (
     read_manifest,
     read_root_attrs,
     shard_file,
+    shard_keys,
     token_arrays,
 )
 from cache_format.rawread import RawShardReader
@@ -173,8 +174,8 @@ class StoreReader:
         start and length): the token arrays only, for passes over the data that need no states."""
         if self.url:  # a remote store's token arrays are fetched first (zarr reads a missing chunk as zeros)
             rows = np.flatnonzero(self.index.group == self.index.groups.index(key)).tolist()
-            fetch(self.url, self.root, [str(shard_file("", k, a, shard)) for k, shard in self._shards(rows)
-                                        for a in self._tokens if a.name in ("input_ids", "loss_mask")])
+            ids = [a for a in self._tokens if a.name in ("input_ids", "loss_mask")]
+            fetch(self.url, self.root, [k for g, shard in self._shards(rows) for k in shard_keys(ids, g, shard)])
         arrays = self._group(key)
         try:
             return {name: arrays[name][...] for name in ("input_ids", "loss_mask")}
@@ -194,8 +195,7 @@ class StoreReader:
         """
         rows = [self.index.locate(int(s)) for s in sample_ids]
         if self.url:
-            fetch(self.url, self.root, [str(shard_file("", key, a, shard)) for key, shard in self._shards(rows)
-                                        for a in self._tokens])
+            fetch(self.url, self.root, [k for g, shard in self._shards(rows) for k in shard_keys(self._tokens, g, shard)])
         if self.verify_shards:
             self._verify_rows(rows)
         if self._raw is not None:
@@ -224,8 +224,8 @@ class StoreReader:
         if not self.url:
             return 0
         rows = [self.index.locate(int(s)) for s in sample_ids]
-        return fetch(self.url, self.root, [str(shard_file("", key, a, shard)) for key, shard in self._shards(rows)
-                                           for a in self._tokens], parallel=parallel)
+        return fetch(self.url, self.root, [k for g, shard in self._shards(rows) for k in shard_keys(self._tokens, g, shard)],
+                     parallel=parallel)
 
     def _shards(self, rows: list[int]) -> list[tuple[str, int]]:
         """(group key, shard) of every shard the index rows `rows` lie in, in order, each once."""
@@ -258,9 +258,10 @@ class StoreReader:
                 if self._raw is not None:
                     self._raw.forget()  # the cached shard index may be the previous file's
                 if self.url:  # the local copy holds an older tail shard than the commit names: fetch again
-                    for a in self._tokens:
-                        (self.root / shard_file("", key, a, shard)).unlink(missing_ok=True)
-                    fetch(self.url, self.root, [str(shard_file("", key, a, shard)) for a in self._tokens])
+                    keys = shard_keys(self._tokens, key, shard)
+                    for k in keys:
+                        (self.root / k).unlink(missing_ok=True)
+                    fetch(self.url, self.root, keys)
                 why = check_shard(self, key, shard, finite=False)
                 if not why:
                     break

@@ -53,7 +53,7 @@ from cache_format.layout import (
     update_root_attrs,
     write_raw_shard,
 )
-from cache_format.logs import read_commit_log
+from cache_format.logs import committed_rows, read_commit_log
 from cache_format.schema import Manifest, bucket_of, manifest_differences
 
 __all__ = ["ShardWriter", "create_store", "write_frozen", "write_prompt_keys"]
@@ -157,21 +157,16 @@ class ShardWriter:
         for p in (self.root / f"w{self.writer_id:05d}").rglob("*.partial"):
             p.unlink(missing_ok=True)
         log, _ = read_commit_log(self._log_path, repair=True)
-        committed: set[int] = set()
-        rows_by_bucket: dict[int, int] = {}
-        for entry in log:
-            for sid, length in entry["samples"]:
-                committed.add(int(sid))
-                rows_by_bucket[entry["bucket"]] = rows_by_bucket.get(entry["bucket"], 0) + int(length)
-        for b, committed_rows in rows_by_bucket.items():
+        committed = {int(sid) for entry in log for sid, _ in entry["samples"]}
+        for b, rows in committed_rows(log).items():
             arrays = self._open(b)
-            base = committed_rows - committed_rows % self._rows
+            base = rows - rows % self._rows
             bucket = self._new_bucket(base)
             for a in self._arrays:
                 z = arrays[a.name]
-                z.resize((committed_rows, *z.shape[1:]))  # forget uncommitted rows
-                bucket.buf[a.name][: committed_rows - base] = z[base:committed_rows]
-            bucket.fill = committed_rows - base
+                z.resize((rows, *z.shape[1:]))  # forget uncommitted rows
+                bucket.buf[a.name][: rows - base] = z[base:rows]
+            bucket.fill = rows - base
             self._buckets[b] = bucket
         return committed
 
