@@ -67,13 +67,17 @@ class _Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(b, s, -1, self.hd)).transpose(1, 2)
         return apply_rope(k, cos, sin), self.v_proj(x).view(b, s, -1, self.hd).transpose(1, 2)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin) -> torch.Tensor:
+    def forward(self, x, ctx_k, ctx_v, cos, sin, ctx_valid=None) -> torch.Tensor:
+        """ctx_valid [T] bool (None: all valid): which context rows count; a static decoding buffer
+        holds rows not yet (or no longer) verified beyond its length."""
         b, q_len, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, q_len, -1, self.hd)).transpose(1, 2), cos, sin)
         k, v = self.kv(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
-        # no mask: the block sees the whole context (all before its first token) and itself
-        o = F.scaled_dot_product_attention(q, k.repeat_interleave(self.rep, 1), v.repeat_interleave(self.rep, 1))
+        # the block sees the whole (valid) context, all before its first token, and itself
+        mask = None if ctx_valid is None else torch.cat([ctx_valid, ctx_valid.new_ones(q_len)])[None]  # [1, T+Q]
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(self.rep, 1), v.repeat_interleave(self.rep, 1),
+                                           attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -96,8 +100,8 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin)
+    def forward(self, x, ctx_k, ctx_v, cos, sin, ctx_valid=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, ctx_valid)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,13 +150,13 @@ class DFlashDraftModel(PreTrainedModel):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, block_pos: torch.Tensor,
-                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """block_embeds [B, Q, H] (the target's embedding of the block), block_pos [B, Q] -> hidden [B, Q, H]
-        (apply the target's lm_head for draft logits)."""
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """block_embeds [B, Q, H] (the target's embedding of the block), block_pos [B, Q], ctx_valid [T] bool
+        or None -> hidden [B, Q, H] (apply the target's lm_head for draft logits)."""
         x = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self._rope(block_pos, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, k, v, cos, sin)
+            x = layer(x, k, v, cos, sin, ctx_valid)
         return self.norm(x)
 
     def draft_head(self, head: torch.Tensor) -> torch.Tensor:
@@ -166,56 +170,140 @@ class DFlashDraftModel(PreTrainedModel):
 
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.Tensor, *, max_new_tokens: int = 256,
-                      eos_token_id: int | list[int] | None = None) -> dict:
+                      eos_token_id: int | list[int] | None = None, cuda_graph: bool = True) -> dict:
         """Greedy speculative decoding of one prompt (input_ids [1, P]) with `target`, an HF causal LM.
 
         Returns {"sequences": [1, P + new] ids, "accepted": tokens emitted per target forward (the
         target's own next token included), "target_forwards": int}. The new tokens equal the
-        target's own greedy decoding (up to float ties), whatever the drafter proposes.
+        target's own greedy decoding (up to float ties), whatever the drafter proposes. On CUDA the
+        drafter's side of a step (acceptance, context update, next draft) replays as one CUDA graph
+        unless `cuda_graph` is False; the target runs as it is.
         """
         if input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate decodes one prompt at a time, got a batch of {input_ids.shape[0]}")
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
-        dev, bs = input_ids.device, self.block_size
-        embed, head = target.get_input_embeddings().weight, self.draft_head(target.get_output_embeddings().weight)
+        prompt_len = input_ids.shape[1]
+        dec = self._decoding_for(target, prompt_len + max_new_tokens + 2 * self.block_size, input_ids.device,
+                                 cuda_graph and input_ids.is_cuda)
         taps: dict[int, torch.Tensor] = {}
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
         hooks = [decoder.layers[i].register_forward_hook(
             lambda _m, _a, o, i=i: taps.__setitem__(i, o[0] if isinstance(o, tuple) else o))
             for i in self.target_layer_ids]
-        prompt_len = input_ids.shape[1]
+        tapped = lambda: torch.cat([taps[i] for i in self.target_layer_ids], dim=-1)  # noqa: E731  [1, S, K*H]
         try:
             out = target(input_ids, use_cache=True)
-            cache, tokens, accepted = out.past_key_values, [int(out.logits[0, -1].argmax())], [1]
-            ctx = self._context(taps, 0, prompt_len)  # states of positions 0..P-1
+            cache, first = out.past_key_values, out.logits[0, -1].argmax()
+            dec.start(tapped(), first)  # context = states of positions 0..P-1, first block drafted
+            tokens, accepted = [int(first)], [1]
             while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-                n = prompt_len + len(tokens) - 1  # position of the last (not yet verified) token
-                block = torch.full((1, bs), self.mask_token_id, device=dev)
-                block[0, 0] = tokens[-1]
-                hid = self(F.embedding(block, embed), torch.arange(n, n + bs, device=dev)[None], ctx)
-                draft = self.draft_tokens(hid[0, 1:] @ head.to(hid.dtype).T)  # [bs-1] target ids
-                out = target(torch.cat([block[0, :1], draft])[None], past_key_values=cache, use_cache=True)
+                n = prompt_len + len(tokens) - 1  # position of the last (not yet verified) token: block[0]
+                out = target(dec.block[None], past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
-                want = out.logits[0].argmax(-1)  # the target's choice after each block token
-                a = int((draft == want[:-1]).long().cumprod(0).sum())
-                new = (draft[:a].tolist() + [int(want[a])])[: max_new_tokens - len(tokens)]
+                dec.want.copy_(out.logits[0].argmax(-1))  # the target's choice after each block token
+                dec.taps.copy_(tapped())
+                dec.step()
+                got = torch.cat([dec.accepted[None], dec.want]).tolist()  # the step's one host sync
+                a = got[0]  # accepted drafts: they equal the target's choices want[:a], then want[a] is its own
+                new = got[1: a + 2][: max_new_tokens - len(tokens)]
                 for t in new:
                     tokens.append(t)
                     if t in eos:
                         break
                 accepted.append(len(new))
-                # keep the target's cache and the drafter's context for the verified tokens only
-                drop = cache.get_seq_length() - (n + a + 1)
+                drop = cache.get_seq_length() - (n + a + 1)  # keep the target's cache for verified tokens only
                 if drop > 0:
                     cache.crop(-drop)  # "remove this many"
-                more = self._context({i: taps[i][:, : a + 1] for i in self.target_layer_ids}, n, n + a + 1)
-                ctx = [(torch.cat([k, k2], 2), torch.cat([v, v2], 2)) for (k, v), (k2, v2) in zip(ctx, more)]
         finally:
             for h in hooks:
                 h.remove()
-        seq = torch.cat([input_ids[0], torch.tensor(tokens, device=dev)])[None]
+        seq = torch.cat([input_ids[0], torch.tensor(tokens, device=input_ids.device)])[None]
         return {"sequences": seq, "accepted": accepted, "target_forwards": len(accepted)}
 
-    def _context(self, taps: dict[int, torch.Tensor], start: int, end: int):
-        x = torch.cat([taps[i] for i in self.target_layer_ids], dim=-1)  # [1, end-start, K*H]
-        return self.context_kv(x, torch.arange(start, end, device=x.device)[None])
+    def _decoding_for(self, target, rows: int, device: torch.device, graph: bool) -> "_Decoding":
+        """A decoding state with at least `rows` context rows for this target, kept for the next prompt
+        (a CUDA graph is captured once per state, not per prompt)."""
+        head = target.get_output_embeddings().weight
+        key = (head.data_ptr(), target.get_input_embeddings().weight.data_ptr(), str(device), graph)
+        old = getattr(self, "_decoding", None)
+        if old is None or old.key != key or old.rows < rows:
+            embed = target.get_input_embeddings().weight
+            self._decoding = _Decoding(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key)
+        return self._decoding
+
+
+class _Decoding:
+    """The drafter's side of greedy speculative decoding in fixed-size tensors.
+
+    The context keys and values live in buffers of `rows` rows, of which the first `n` are verified
+    (n, a device scalar, is the position of block[0], the last token not yet verified); rows past n
+    hold stale or unverified states and are masked out. With every shape fixed, a step (accept the
+    verified block, append its states to the context, draft the next block) is one function of
+    these tensors; on CUDA it is captured once as a graph and replayed, one launch instead of ~200:
+    at batch 1 a few-layer drafter is bound by launches, not arithmetic.
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor, rows: int,
+                 graph: bool, key: tuple) -> None:
+        c, dev, dt = drafter.config, embed.device, drafter.fc.weight.dtype
+        bs, self.d, self.embed, self.rows, self.key = drafter.block_size, drafter, embed, rows, key
+        self.head_t = head.to(dt).T  # [H, V or N]
+        shape = (1, c.num_key_value_heads, rows, c.head_dim)
+        self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
+        self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
+        self.n = torch.zeros((), dtype=torch.long, device=dev)
+        self.block = torch.full((bs,), drafter.mask_token_id, dtype=torch.long, device=dev)  # [Q] ids
+        self.want = torch.zeros(bs, dtype=torch.long, device=dev)  # the target's argmax after each block token
+        self.taps = torch.zeros(1, bs, drafter.fc.in_features, dtype=embed.dtype, device=dev)  # the verify's taps
+        self.accepted = torch.zeros((), dtype=torch.long, device=dev)
+        self.row_ids, self.offsets = torch.arange(rows, device=dev), torch.arange(bs, device=dev)
+        self.use_graph, self.graph = graph, None
+
+    def _write(self, taps: torch.Tensor, pos: torch.Tensor) -> None:
+        """taps [1, S, K*H] of positions pos [S] -> their keys and values into rows pos."""
+        for k, v, (k2, v2) in zip(self.k, self.v, self.d.context_kv(taps, pos[None])):
+            k.index_copy_(2, pos, k2)
+            v.index_copy_(2, pos, v2)
+
+    def _draft(self) -> None:
+        """block[1:] <- the drafter's argmax at the masked slots, from block[0] and context rows < n."""
+        hid = self.d(F.embedding(self.block[None], self.embed), (self.n + self.offsets)[None],
+                     list(zip(self.k, self.v)), self.row_ids < self.n)  # [1, Q, H]
+        self.block[1:].copy_(self.d.draft_tokens(hid[0, 1:] @ self.head_t))
+
+    def _step(self) -> None:
+        a = (self.block[1:] == self.want[:-1]).long().cumprod(0).sum()  # accepted drafts
+        self._write(self.taps, self.n + self.offsets)  # rows n.. of the block; those past n + a stay masked
+        self.n.add_(a + 1)
+        self.block[:1].copy_(self.want.index_select(0, a[None]))  # the target's own token after the accepted ones
+        self.block[1:].fill_(self.d.mask_token_id)
+        self.accepted.copy_(a)
+        self._draft()
+
+    def start(self, taps: torch.Tensor, first: torch.Tensor) -> None:
+        """taps [1, P, K*H] of the prompt, first (0-d) the target's first token: context and first draft."""
+        p = taps.shape[1]
+        self._write(taps, self.row_ids[:p])
+        self.n.fill_(p)
+        self.block.fill_(self.d.mask_token_id)
+        self.block[:1].copy_(first.view(1))
+        self._draft()
+
+    def step(self) -> None:
+        """After want and taps hold the verify's results: accept, extend the context, draft the next block."""
+        if not self.use_graph:
+            return self._step()
+        if self.graph is None:  # warm up on a side stream, capture, and undo what the warm-up changed
+            saved = (self.n.clone(), self.block.clone())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step()
+                    self.n.copy_(saved[0]), self.block.copy_(saved[1])
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()
+            self.n.copy_(saved[0]), self.block.copy_(saved[1])
+        self.graph.replay()

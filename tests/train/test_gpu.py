@@ -98,3 +98,29 @@ def test_fp8_taps_dequantized_on_the_side_stream_equal_the_host_decode(tmp_path)
         got = to_device({k: v.pin_memory() for k, v in item.items()}, torch.device("cuda"), side)
         want = to_device(item, torch.device("cpu"))
         assert got["hidden"].dtype == torch.bfloat16 and torch.equal(got["hidden"].cpu(), want["hidden"])
+
+
+def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_result():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
+
+    from train.modeling_dflash import DFlashDraftModel
+    from train.spec_decode import target_generate
+
+    torch.manual_seed(0)
+    # a 6-token vocabulary: random drafts often match, so blocks are partly accepted at many lengths
+    tgt = LlamaForCausalLM(LlamaConfig(vocab_size=6, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2)).cuda().eval()
+    dc = Qwen3Config(vocab_size=6, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    dc.block_size, dc.dflash_config = 8, {"target_layer_ids": [0, 2], "mask_token_id": 5}
+    drafter = DFlashDraftModel(dc).cuda().eval()
+    longest = 0
+    for p in ([1, 2, 3, 4, 0, 1], [2] * 40, [0, 3]):
+        ids = torch.tensor([p], device="cuda")
+        want = target_generate(tgt, p, max_new_tokens=64, eos=set()).tokens
+        runs = [drafter.spec_generate(tgt, ids, max_new_tokens=64, cuda_graph=g) for g in (False, True, True)]
+        for r in runs:
+            assert r["sequences"][0, len(p):].tolist() == want
+        assert runs[0]["accepted"] == runs[1]["accepted"] == runs[2]["accepted"]
+        longest = max(longest, *runs[0]["accepted"])
+    assert longest > 1  # some steps accepted drafts: the graph's acceptance and context update were exercised
