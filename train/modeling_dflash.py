@@ -220,7 +220,7 @@ class DFlashDraftModel(PreTrainedModel):
         seq = torch.cat([input_ids[0], torch.tensor(tokens, device=input_ids.device)])[None]
         return {"sequences": seq, "accepted": accepted, "target_forwards": len(accepted)}
 
-    def _decoding_for(self, target, rows: int, device: torch.device, graph: bool) -> "_Decoding":
+    def _decoding_for(self, target, rows: int, device: torch.device, graph: bool) -> _Decoding:
         """A decoding state with at least `rows` context rows for this target, kept for the next prompt
         (a CUDA graph is captured once per state, not per prompt)."""
         head = target.get_output_embeddings().weight
