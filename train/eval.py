@@ -114,11 +114,12 @@ def _drafters(run: str, checkpoint: str, export: str) -> tuple[dict[str, Any], d
 
 def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: str = "default", limit: int = 0,
              max_new_tokens: int = 128, target: str = "", dtype: str = "float32",
-             teacher_forced: bool = False, prompt_lookup: bool = True) -> dict[str, Any]:
+             teacher_forced: bool = False, prompt_lookup: bool = True, cuda_graph: bool = True) -> dict[str, Any]:
     """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
     with both, the export's figures sit under "export" beside the checkpoint's. teacher_forced:
     also the acceptance at every anchor of the greedy output (see train.acceptance). prompt_lookup:
-    also transformers' prompt-lookup decoding as a second baseline (a third of an evaluation's time)."""
+    also transformers' prompt-lookup decoding as a second baseline (a third of an evaluation's time).
+    cuda_graph: False runs the drafter's side of each step eagerly on a GPU (to measure the graph)."""
     from cache_format.target import chat_ids, eos_ids, load_target
 
     if not run and not export:
@@ -148,7 +149,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
         for which, drafter in drafters.items():
             t0 = time.perf_counter()
             spec = drafter.spec_generate(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
-                                         eos_token_id=eos)
+                                         eos_token_id=eos, **({} if cuda_graph else {"cuda_graph": False}))
             t.spec_s[which] += time.perf_counter() - t0
             new = spec["sequences"][0, len(ids):].tolist()
             hist[which].update(spec["accepted"])
@@ -163,7 +164,8 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
         bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{_tau(r):.2f}" for k, r in rows.items()})
     bar.close()
     res = {which: _summary(rows[which], hist[which], t, which, drafters[which], model, device,
-                           prompt_lookup=prompt_lookup, teacher_forced=teacher_forced) for which in drafters}
+                           prompt_lookup=prompt_lookup, teacher_forced=teacher_forced, cuda_graph=cuda_graph)
+           for which in drafters}
     if "checkpoint" in res:
         out = {**res["checkpoint"], "checkpoint": ck}
         if "export" in res:
@@ -199,7 +201,7 @@ def _prompt_lookup(model, tok, ids: list[int], t: _Tally, *, max_new_tokens: int
 
 
 def _summary(r: list[dict[str, Any]], hist: Counter, t: _Tally, which: str, drafter, model, device, *,
-             prompt_lookup: bool, teacher_forced: bool) -> dict[str, Any]:
+             prompt_lookup: bool, teacher_forced: bool, cuda_graph: bool) -> dict[str, Any]:
     """One drafter's figures over its prompt rows `r` (the JSON contract of train.eval)."""
     new_tokens, spec_fw = sum(x["new_tokens"] for x in r), sum(x["target_forwards"] for x in r)
     return {
@@ -221,6 +223,7 @@ def _summary(r: list[dict[str, Any]], hist: Counter, t: _Tally, which: str, draf
         **_by_source(r),
         **({"teacher_forced": _teacher_forced(r)} if teacher_forced else {}),
         "device": str(device),
+        "cuda_graph": cuda_graph and device.type == "cuda",
         "prompts": r,
     }
 
@@ -347,6 +350,8 @@ def _plot(res: dict[str, Any], path: Path) -> None:
               "sim_tau's counterpart on these prompts, and the decode it implies (train.acceptance).")
 @click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
               help="Also run transformers' prompt-lookup decoding as a second baseline (a third of the time).")
+@click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True,
+              help="On a GPU, replay the drafter's side of each step as one CUDA graph (off: eager, to compare).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def main(as_json: bool, **kw) -> None:
     """Speculative decoding with the drafter against the real target: τ, speedup, lossless."""
