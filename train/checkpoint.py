@@ -20,7 +20,7 @@ from cache_format.checksums import sha256_file
 CHECKSUMS = "checksums.json"  # sha256 of each file of a checkpoint, written last before the rename
 
 __all__ = ["best_checkpoint", "latest_checkpoint", "load_checkpoint", "resolve_checkpoint", "save_best",
-           "save_checkpoint"]
+           "save_checkpoint", "set_aside_after"]
 
 
 def _steps(root: Path, prefix: str) -> list[int]:
@@ -97,6 +97,14 @@ def resolve_checkpoint(run: str | os.PathLike, which: str = "") -> Path:
         kind = {"best": "best (train with --val-samples > 0)", "latest": "step-N"}.get(which, "")
         raise ValueError(f"{run}: no {kind + ' ' if kind else ''}checkpoint found (train first)")
     return ck
+
+
+def set_aside_after(run: str | os.PathLike, step: int) -> None:
+    """Rename the run's step-N checkpoints past `step` to step-N.superseded (--resume-from: the run
+    goes on from an earlier checkpoint, and a later resume must not take the later ones as newest)."""
+    for n in [n for n in _steps(Path(run) / "checkpoints", "step-") if n > step]:
+        later = Path(run) / "checkpoints" / f"step-{n}"
+        os.replace(later, later.with_name(later.name + ".superseded"))
 
 
 def check_files(path: Path) -> None:

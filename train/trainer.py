@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import socket
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from tqdm import tqdm
 from cache_format.cli import to_toml
 from cache_format.lock import StoreLock
 from cache_format.world import World
-from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint
+from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint, set_aside_after
 from train.config import TrainConfig
 from train.data import BatchDataset, CollateSettings, holdout_mask, plan_epoch, plan_holdout, to_device
 from train.data_parallel import data_parallel
@@ -41,6 +40,7 @@ from train.start import (
     open_store,
     run_record,
 )
+from train.state import TrainState
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
@@ -103,7 +103,7 @@ class Trainer:
         self.view = self._first_view()
         self.total = cfg.max_steps or max(1, self._steps_per_epoch() * cfg.epochs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
-        self.step, self.start_epoch, self.skip = 0, 0, 0
+        self.state = TrainState()
         self.resume()
         if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
             self.model.compile_layers()
@@ -127,7 +127,11 @@ class Trainer:
         # the first step whose loss or gradient norm was not finite (0: none), kept on the device so
         # the check costs no host sync per step; read before every row, evaluation and checkpoint
         self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
-        self.out_of_time = False
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done (the state's)."""
+        return self.state.step
 
     # ------------------------------------------------------------------ the plan
     def _share(self, obj: list) -> list:
@@ -215,7 +219,7 @@ class Trainer:
                 out = forward_backward(self.ddp, batch, self.loss, grad_scale=1.0 / cfg.grad_accum)
             self.stats.add(out, batch)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
-        self.step += 1
+        self.state.step += 1
         bad = ~torch.isfinite(norm) | ~torch.isfinite(out["loss"].detach())
         self.diverged_at = torch.where(bad & (self.diverged_at == 0), self.step, self.diverged_at)
         self.opt.step()
@@ -259,8 +263,8 @@ class Trainer:
             if self.world > 1:
                 dist.barrier()
 
-    def save(self, epoch: int, in_epoch: int) -> None:
-        """A step-N checkpoint that resumes at (epoch, step in epoch); once per step."""
+    def save(self) -> None:
+        """A step-N checkpoint that resumes at the state's (epoch, step in epoch); once per step."""
         if self.saved_at == self.step:  # the same weights again (GBs at the 8B shape); every rank skips alike
             return
         self.check_finite()
@@ -268,7 +272,7 @@ class Trainer:
         if self.rank == 0:
             save_checkpoint(self.cfg.out, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
                             keep=self.cfg.keep_checkpoints,
-                            state={"step": self.step, "epoch": epoch, "step_in_epoch": in_epoch,
+                            state={"step": self.step, "epoch": self.state.epoch, "step_in_epoch": self.state.in_epoch,
                                    "config": self.cfg.to_dict(), **self.record})
         if self.world > 1:
             dist.barrier()
@@ -297,9 +301,12 @@ class Trainer:
                 raise ValueError(f"{ck}: its weights do not fit this drafter ({str(e).splitlines()[0]})") from None
             self.opt.load_state_dict(opt_state["optimizer"])
             self.sched.load_state_dict(opt_state["scheduler"])
-            self.step, self.start_epoch, self.skip = saved["step"], saved["epoch"], saved["step_in_epoch"]
-            if cfg.resume_from:
-                self._set_aside_after(self.step)
+            self.state = TrainState(step=saved["step"], epoch=saved["epoch"], in_epoch=saved["step_in_epoch"])
+            if cfg.resume_from:  # the next resume would take the later step-N as the newest
+                if self.rank == 0:
+                    set_aside_after(cfg.out, self.step)
+                if self.world > 1:
+                    dist.barrier()
         elif cfg.init_from:
             weights = start_weights(cfg.init_from, self.dc, self.layer_ids)
             self._same_vocab(weights, f"--init-from {cfg.init_from}")
@@ -318,16 +325,6 @@ class Trainer:
         if mine is not None and theirs is not None and not torch.equal(theirs.to(mine.device), mine):
             raise ValueError(f"{what}: its draft vocabulary is not the one this run counts from {self.cfg.store} "
                              "(other training data); start without it, or train from the store it was trained on")
-
-    def _set_aside_after(self, step: int) -> None:
-        """--resume-from, once its checkpoint has loaded: rename the run's later step-N (the next resume
-        would take them as the newest) to step-N.superseded."""
-        root = Path(self.cfg.out) / "checkpoints"
-        if self.rank == 0:
-            for later in [p for p in root.glob("step-*") if p.name[5:].isdigit() and int(p.name[5:]) > step]:
-                os.replace(later, later.with_name(later.name + ".superseded"))
-        if self.world > 1:
-            dist.barrier()
 
     # ------------------------------------------------------------------ the loop
     def _start_next_epoch_early(self, epoch: int, s_idx: int, first: int, n_steps: int) -> bool:
@@ -350,17 +347,19 @@ class Trainer:
                 self.log_row(epoch)
                 if cfg.time_limit and self.step < self.total and _past(self.t_start + cfg.time_limit, self.device,
                                                                        self.world):
-                    self.total, self.out_of_time = self.step, True  # the closing checkpoint is this step's
-            self.position = (epoch, s_idx + 1)
+                    self.state.stopping("time limit")  # the closing checkpoint is this step's
+            self.state.epoch, self.state.in_epoch = epoch, s_idx + 1
             t_pause = time.time()
             if self.val_ds is not None and self.step % cfg.val_every == 0:
                 self.validate(epoch)
                 if cfg.patience and self.stale >= cfg.patience:
-                    self.total = self.step  # stop here: the checkpoint below and the final one are this step's
+                    self.state.stopping("patience")  # the checkpoint below and the final one are this step's
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save(*self.position)
+                self.save()
             self.stats.pause(time.time() - t_pause)  # a row rates training steps, not validation or saving
             if self.step >= self.total:
+                self.state.stopping("steps")
+            if self.state.stop:
                 return True, ahead
         return False, ahead
 
@@ -372,30 +371,30 @@ class Trainer:
                   "cache makes later runs quick)", flush=True)
         self.bar = tqdm(total=self.total, initial=self.step, disable=self.rank != 0, desc="train", unit="step")
         self.stats.reset()
-        epoch, self.position = self.start_epoch, (self.start_epoch, self.skip)
-        done, ahead = self.step >= self.total, None
+        start_epoch, skip = self.state.epoch, self.state.in_epoch
+        epoch, done, ahead = start_epoch, self.step >= self.total, None
         while not done and epoch < cfg.epochs:
             if cfg.follow and ahead is None:
                 self.view = self._follow_view(epoch)
-            first = self.skip if epoch == self.start_epoch else 0
+            first = skip if epoch == start_epoch else 0
             steps, batches = ahead or self.loader(epoch, first, self.view)
             done, ahead = self.run_epoch(epoch, first, steps, batches)
             del batches
             if not done:
-                self.position = (epoch + 1, 0)
+                self.state.epoch, self.state.in_epoch = epoch + 1, 0
             epoch += 1
         self.bar.close()
         if self.stats.micro_batches:  # steps since the last row (a run ended by its epochs between rows)
             self.log_row(epoch - 1)
         if self.val_ds is not None and self.step % cfg.val_every:
             self.validate(epoch - 1)  # the epoch of the last step (the loop counted one past it)
-        self.save(*self.position)
+        self.save()
         self.log.close()
         if self.rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
             plot_metrics(cfg.out)
         return {"steps": self.step, "run": cfg.out, "samples_last_epoch": len(self.reader),
-                "finalized": self.reader.finalized, "stopped_early": bool(cfg.patience) and self.stale >= cfg.patience,
-                "patience": cfg.patience, "stopped_by_time": self.out_of_time}
+                "finalized": self.reader.finalized, "stopped_early": self.state.stop == "patience",
+                "patience": cfg.patience, "stopped_by_time": self.state.stop == "time limit"}
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:

@@ -1,0 +1,31 @@
+"""Where a training run is: the one place the loop's progress and its reason to stop live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TrainState"]
+
+STOPS = ("", "steps", "time limit", "patience")
+
+
+@dataclass
+class TrainState:
+    """Steps done, the position to go on from, and why the run stops ("" while it goes on).
+
+    A checkpoint saves (epoch, in_epoch): a resumed run starts that epoch at that step. The stop
+    reason is set by the loop (its last step, --time-limit, --patience) and read by `fit`'s summary;
+    the learning-rate schedule's length never changes with it.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    """The epoch to go on in (the one of the step just done, or the next one after its last step)."""
+    in_epoch: int = 0
+    """Steps of `epoch` already done: a resume skips them."""
+    stop: str = ""
+
+    def stopping(self, reason: str) -> None:
+        if reason not in STOPS[1:]:
+            raise ValueError(f"unknown stop reason {reason!r}")
+        self.stop = self.stop or reason  # the first reason is the one reported
