@@ -15,15 +15,18 @@ from extract.regenerate.config import RegenConfig
 @config_command(RegenConfig, seps={"shard": "/"}, extra=(
     click.Option(["--recipe"], default="", help="'default': build the math + code + chat dataset into --out DIR."),
     click.Option(["--recipe-samples"], default=100_000, show_default=True, help="--recipe: samples in all."),
+    click.Option(["--recipe-long-tokens"], default=4096, show_default=True,
+                 help="--recipe: the new-token cap of the long share (a tenth of the invented math and code "
+                      "prompts); 0 = no long answers."),
 ))
-def main(cfg: RegenConfig, recipe: str, recipe_samples: int) -> None:
+def main(cfg: RegenConfig, recipe: str, recipe_samples: int, recipe_long_tokens: int) -> None:
     """Generate target responses for prompts into a training JSONL."""
     try:
         if recipe:
             from extract.regenerate.recipe import build_recipe
 
             kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}
-            build_recipe(recipe, out_dir=cfg.out, samples=recipe_samples, **kw)
+            build_recipe(recipe, out_dir=cfg.out, samples=recipe_samples, long_tokens=recipe_long_tokens, **kw)
             return
         res = regenerate(cfg)
     except (ValueError, OSError) as e:

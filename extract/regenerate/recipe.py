@@ -13,6 +13,8 @@ Stages (each resumable; a stage's marker file is written when it is complete):
    prompt (GSM8K[:100], HumanEval, the chat set); every shard computes the same selection;
 3. answer: every kept prompt answered greedily (the drafter is judged on greedy decoding), and the
    packaged math prompts (GSM8K minus held-out, GPQA, AIME) also `MATH_SAMPLED` times at T 0.7;
+   a `LONG_SHARE` of the invented math and code prompts is answered with up to --recipe-long-tokens
+   new tokens instead of --max-new-tokens (see LONG_SHARE for why);
 4. merge (shard 0): DIR/train.jsonl (all domains) and DIR/recipe.json (counts per domain, config).
 """
 
@@ -27,7 +29,7 @@ from pathlib import Path
 from cache_format.layout import atomic_write_bytes
 from extract.regenerate.config import RegenConfig
 
-__all__ = ["OPENINGS", "SHARES", "build_recipe"]
+__all__ = ["LONG_SHARE", "LONG_TOKENS", "OPENINGS", "SHARES", "build_recipe"]
 
 # Steering openings (the start of each invented user message) per domain.
 OPENINGS: dict[str, tuple[str, ...]] = {
@@ -43,6 +45,14 @@ SHARES = {"math": 0.35, "code": 0.30, "chat": 0.35}  # of all samples
 MATH_SAMPLED = 3  # extra sampled answers per packaged math prompt
 OVERDRAW = 1.4  # invented prompts per kept prompt (duplicates are dropped)
 INVENT_TOKENS = 128  # a user message; the answers get --max-new-tokens
+# Long answers: served decoding runs well past the first 256 tokens of an answer, where the context is
+# longer and the text (worked solutions, whole programs) more predictable; a drafter trained only on
+# short answers never sees those positions. One peer measured +0.49 acceptance length training at
+# 4,096 tokens against 512. Math and code are where the target writes long answers of its own (its
+# chat answers end early), and they are the domains of GSM8K and HumanEval; a tenth of each keeps
+# the extraction and training cost of the long tail bounded (a 4,096-token answer costs ~14 short ones).
+LONG_SHARE = {"math": 0.10, "code": 0.10}  # of each domain's kept invented prompts
+LONG_TOKENS = 4096  # --recipe-long-tokens' default
 
 
 def _wait_for(paths: list[Path], poll: float = 2.0) -> None:
@@ -63,11 +73,14 @@ def _write_users(path: Path, conversations: list[list[dict]]) -> None:
     atomic_write_bytes(path, lines.encode("utf-8"))
 
 
-def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
+def build_recipe(name: str, *, out_dir: str, samples: int, long_tokens: int = LONG_TOKENS, **kw) -> dict:
     """Build the recipe `name` ('default') into out_dir; kw are RegenConfig fields (shard, target,
-    batch_size, max_new_tokens, seed, engine, ...). Returns the recipe summary (shard 0) or {}."""
+    batch_size, max_new_tokens, seed, engine, ...); long_tokens: the long share's new-token cap (0:
+    no long share). Returns the recipe summary (shard 0) or {}."""
     if name != "default":
         raise ValueError(f"--recipe {name!r}: the only recipe is 'default'")
+    if long_tokens < 0:
+        raise ValueError(f"--recipe-long-tokens {long_tokens}: must be >= 0 (0: no long answers)")
     import torch
 
     from cache_format.prompts import train_prompts
@@ -91,8 +104,10 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
     targets["math"] = max(0, targets["math"] - len(packaged) * (1 + MATH_SAMPLED))
 
     _invent(d, targets, (i, n), base, loaded, seed=seed, max_new_tokens=invent_tokens)
-    drops = _select(d, targets, (i, n), packaged)
-    jobs = _answer(d, (i, n), packaged, base, loaded, seed=seed, max_new_tokens=max_new)
+    long_share = LONG_SHARE if long_tokens else {}
+    drops = _select(d, targets, (i, n), packaged, long_share)
+    jobs = _answer(d, (i, n), packaged, base, loaded, seed=seed, max_new_tokens=max_new, long_tokens=long_tokens,
+                   long_domains=tuple(long_share))
     if i != 0:
         return {}
     _wait_for([d / "parts" / f"answer.{s}.done" for s in range(n)])
@@ -101,7 +116,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, **kw) -> dict:
                "samples": sum(counts.values()), "answer_chars_by_domain": chars, "selection": drops,
                "packaged_math_prompts": len(packaged), "openings": OPENINGS, "shares": SHARES,
                "math_sampled_per_packaged_prompt": MATH_SAMPLED,
-               "invent_max_new_tokens": invent_tokens,
+               "invent_max_new_tokens": invent_tokens, "long_share": long_share, "long_max_new_tokens": long_tokens,
                "config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in base.items()}, "seed": seed,
                           "max_new_tokens": max_new}}
     (d / "recipe.json").write_text(json.dumps(summary, indent=1))
@@ -128,10 +143,12 @@ def _invent(d: Path, targets: dict[str, int], shard: tuple[int, int], base: dict
     _wait_for([d / "parts" / f"invent.{s}.done" for s in range(n)])
 
 
-def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: list) -> dict[str, dict[str, int]]:
+def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: list,
+            long_share: dict[str, float]) -> dict[str, dict[str, int]]:
     """Stage 2, the same on every shard (a pure function of the files): near-duplicates of each other,
     of the held-out prompts and of the packaged ones dropped; each domain's prompts written (shard 0,
-    or whichever finds the file missing). Returns the counts per domain."""
+    or whichever finds the file missing), the last `long_share` of them to DOM_long_prompts.jsonl.
+    Returns the counts per domain."""
     from cache_format.prompts import heldout_multiturn, heldout_prompts
     from extract.regenerate.dedup import near_duplicates
 
@@ -145,33 +162,41 @@ def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: 
                  for p in _read_users(d / "parts" / f"invent_{dom}{j}.{s}.jsonl")]
         drop = set(near_duplicates(cands, reference=held + seen))
         kept = [p for k, p in enumerate(cands) if k not in drop][: targets[dom]]
-        drops[dom] = {"invented": len(cands), "near_duplicates": len(drop), "kept": len(kept)}
+        n_long = math.ceil(len(kept) * long_share.get(dom, 0.0))
+        drops[dom] = {"invented": len(cands), "near_duplicates": len(drop), "kept": len(kept), "long": n_long}
         seen += kept
-        path = d / f"{dom}_prompts.jsonl"
-        if i == 0 or not path.exists():
-            _write_users(path, [[{"role": "user", "content": p}] for p in kept])
+        parts = {f"{dom}_prompts.jsonl": kept[: len(kept) - n_long]}
+        if dom in long_share:
+            parts[f"{dom}_long_prompts.jsonl"] = kept[len(kept) - n_long:]
+        for name, ps in parts.items():
+            if i == 0 or not (d / name).exists():
+                _write_users(d / name, [[{"role": "user", "content": p}] for p in ps])
     return drops
 
 
 def _answer(d: Path, shard: tuple[int, int], packaged: list, base: dict, loaded, *, seed: int,
-            max_new_tokens: int) -> list[tuple[str, Path, int, float]]:
+            max_new_tokens: int, long_tokens: int, long_domains: tuple[str, ...]) -> list[tuple]:
     """Stage 3: this shard's share of every prompt file answered; returns the jobs (tag, prompts,
-    samples per prompt, temperature) in merge order."""
+    samples per prompt, temperature, new-token cap) in merge order."""
     from extract.regenerate.answers import regenerate
 
     i, n = shard
     packaged_path = d / "packaged_math_prompts.jsonl"
     _write_users(packaged_path, packaged)
-    jobs = [("math_packaged_greedy", packaged_path, 1, 0.0), ("math_packaged_sampled", packaged_path, MATH_SAMPLED, 0.7)]
-    jobs += [(f"{dom}_invented", d / f"{dom}_prompts.jsonl", 1, 0.0) for dom in OPENINGS]
-    for tag, prompts, k, temp in jobs:
+    jobs = [("math_packaged_greedy", packaged_path, 1, 0.0, max_new_tokens),
+            ("math_packaged_sampled", packaged_path, MATH_SAMPLED, 0.7, max_new_tokens)]
+    jobs += [(f"{dom}_invented", d / f"{dom}_prompts.jsonl", 1, 0.0, max_new_tokens) for dom in OPENINGS]
+    jobs += [(f"{dom}_long", d / f"{dom}_long_prompts.jsonl", 1, 0.0, long_tokens) for dom in long_domains]
+    for tag, prompts, k, temp, cap in jobs:
+        if not _read_users(prompts):
+            continue  # a long share rounded to no prompts (a small trial)
         regenerate(RegenConfig(out=str(d / "parts" / f"{tag}.{i}.jsonl"), prompts=str(prompts), num_samples=k,
-                               temperature=temp, max_new_tokens=max_new_tokens, seed=seed + 1, **base), loaded=loaded)
+                               temperature=temp, max_new_tokens=cap, seed=seed + 1, **base), loaded=loaded)
     atomic_write_bytes(d / "parts" / f"answer.{i}.done", json.dumps({"shard": [i, n]}).encode())
     return jobs
 
 
-def _merge(d: Path, jobs: list[tuple[str, Path, int, float]], n: int) -> tuple[dict[str, int], dict[str, int]]:
+def _merge(d: Path, jobs: list[tuple], n: int) -> tuple[dict[str, int], dict[str, int]]:
     """Stage 4 (shard 0): every shard's answers into train.jsonl (written whole, then renamed), each
     record tagged with its domain; empty answers left out. Returns samples and answer characters per domain."""
     counts: dict[str, int] = {}
@@ -181,6 +206,8 @@ def _merge(d: Path, jobs: list[tuple[str, Path, int, float]], n: int) -> tuple[d
         for tag, *_ in jobs:
             dom = tag.split("_")[0]
             for s in range(n):
+                if not (d / "parts" / f"{tag}.{s}.jsonl").exists():
+                    continue  # a job with no prompts
                 with open(d / "parts" / f"{tag}.{s}.jsonl", encoding="utf-8") as src:
                     for line in src:
                         r = json.loads(line)

@@ -13,7 +13,7 @@ from tests.helpers import tiny_target_dir
 
 def _args(out, target, shard="0/1"):
     return ["--recipe", "default", "--out", str(out), "--recipe-samples", "60", "--limit", "4", "--target", target,
-            "--max-new-tokens", "4", "--batch-size", "8", "--shard", shard]
+            "--max-new-tokens", "4", "--recipe-long-tokens", "9", "--batch-size", "8", "--shard", shard]
 
 
 def _shard(out, target, shard):
@@ -47,6 +47,13 @@ def test_recipe_one_process_equals_two_shards_and_resumes(tmp_path, capsys):
     assert len(records) == summary["samples"] == sum(counts.values())
     assert {r["domain"] for r in records} == {"math", "code", "chat"}
     assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in records)
+    # the long share: a tenth of the invented math and code prompts, answered with the long cap, no prompt twice
+    assert summary["long_share"] == {"math": 0.1, "code": 0.1} and summary["long_max_new_tokens"] == 9
+    for dom in ("math", "code"):
+        longs = [json.loads(x)["messages"][0]["content"] for x in (tmp_path / "one" / f"{dom}_long_prompts.jsonl").open()]
+        assert len(longs) == summary["selection"][dom]["long"] > 0
+        answered = [r for r in records if r["messages"][0]["content"] in set(longs)]
+        assert len(answered) == len(longs) and all(r["domain"] == dom for r in answered)
     held = {m[-1]["content"] for _, m in heldout_prompts()}
     users = [r["messages"][0]["content"] for r in records if r["domain"] != "math" or "prompt_index" in r]
     assert not held & set(users)
