@@ -169,9 +169,8 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main() -> None:
-    a = _parser().parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _setup(a, dev: torch.device):
+    """The bench's store, drafter, optimizer, micro-batches and loss: what python -m train builds."""
     make_store(a.store, a.shape, a.samples, a.seq, dtype=a.dtype)
     dc = drafter_config(a.shape, a.layers, a.block_size, a.draft_vocab)
     fr = StoreReader(a.store).frozen()
@@ -182,10 +181,15 @@ def main() -> None:
     opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)  # what python -m train uses
     ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup,
                        verify_shards=a.verify_shards)
-    use_flex = dev.type == "cuda"
-    loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), use_flex=use_flex,
-                        chunk=a.loss_chunk, backward=a.loss_backward,
-                        compiled=a.compile)  # what python -m train builds from its config
+    loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), use_flex=dev.type == "cuda",
+                        chunk=a.loss_chunk, backward=a.loss_backward, compiled=a.compile)
+    return dc, model, opt, ds, loss
+
+
+def main() -> None:
+    a = _parser().parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dc, model, opt, ds, loss = _setup(a, dev)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def step(batch):
