@@ -8,6 +8,10 @@
 # On one GPU the variants run side by side: the small drafter's step leaves most of an H200 idle
 # (22% MFU), so N processes finish N runs far sooner than one after another; each gets the same
 # steps, and its rows' positions_per_s show what it got of the GPU.
+# A variant may name its own store, the last --store wins: the 4-bit codec against bf16 on the same data
+#   FRACTION=0.2 STORE=/dev/shm/bf16.zarr EXTRACT_ARGS="--dtype bfloat16" bash scripts/scale_run.sh extract
+#   FRACTION=0.2 STORE=/dev/shm/mx.zarr EXTRACT_ARGS="--dtype mxfp4" bash scripts/scale_run.sh extract
+#   VARIANTS="bf16:--store /dev/shm/bf16.zarr;mxfp4:--store /dev/shm/mx.zarr" bash scripts/compare_recipes.sh train
 # Settings (environment): VARIANTS ("name:train options" separated by ';'), STORE, W (work dir,
 # default /root/cmp), STEPS (cosine length, default 900), TLIM (seconds each may train, 420), VAL
 # (held-out samples, 500), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),

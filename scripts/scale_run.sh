@@ -13,7 +13,8 @@
 # Settings (environment): DATA (default: docs/results/recipe-default-100k/train.jsonl.gz), W (work
 # dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the samples to extract,
 # default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 7000), LR (6e-4),
-# TLIM (seconds this call may train: train's --time-limit, default 480), VERIFY (train's
+# TLIM (seconds this call may train: train's --time-limit, default 480), EXTRACT_ARGS (more extract
+# options, e.g. "--dtype mxfp4"), VERIFY (train's
 # --verify-shards: auto, on or off), TRAIN_ARGS (more train options, e.g. "--num-layers 8
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
 # with DIR its rejoined export), GGUF (default: the packaged
@@ -58,7 +59,7 @@ PY
   gunzip -c "$DATA" | awk -v f="$frac" '(NR - 1) % 100 < f * 100' > "$W/train.jsonl"
   wc -l < "$W/train.jsonl"
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "$STORE" --data "$W/train.jsonl" \
-    "${TARGET[@]}" --json 2>&1 | grep -v "tok/s]" | tail -n 20
+    "${TARGET[@]}" ${EXTRACT_ARGS:-} --json 2>&1 | grep -v "tok/s]" | tail -n 20
   python3 -m cache_format inspect "$STORE" | head -n 30;;
 train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
