@@ -224,7 +224,9 @@ class DFlashDraftModel(PreTrainedModel):
         """A decoding state with at least `rows` context rows for this target, kept for the next prompt
         (a CUDA graph is captured once per state, not per prompt)."""
         head = target.get_output_embeddings().weight
-        key = (head.data_ptr(), target.get_input_embeddings().weight.data_ptr(), str(device), graph)
+        # a drafter or target moved or cast since (new tensors) gets a new state: the graph reads these addresses
+        key = (head.data_ptr(), target.get_input_embeddings().weight.data_ptr(), self.fc.weight.data_ptr(),
+               self.fc.weight.dtype, str(device), graph)
         old = getattr(self, "_decoding", None)
         if old is None or old.key != key or old.rows < rows:
             embed = target.get_input_embeddings().weight

@@ -84,3 +84,18 @@ def test_masked_stale_context_rows_change_nothing():
         exact = theirs(x, pos, theirs.context_kv(taps[:, :t], torch.arange(t)[None]))
         buffered = theirs(x, pos, theirs.context_kv(taps, torch.arange(rows)[None]), torch.arange(rows) < t)
     torch.testing.assert_close(buffered, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_a_drafter_cast_between_decodes_decodes_alike():
+    """spec_generate keeps its buffers for the next prompt; a drafter cast in between gets new ones."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tgt = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                       num_attention_heads=4, num_key_value_heads=2)).eval()
+    _, served, *_ = _pair(0)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    first = served.spec_generate(tgt, ids, max_new_tokens=12)["sequences"]
+    served.to(torch.bfloat16)
+    assert torch.equal(served.spec_generate(tgt, ids, max_new_tokens=12)["sequences"], first)  # lossless either way
+    assert served._decoding.k[0].dtype == torch.bfloat16
