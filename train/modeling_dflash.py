@@ -231,6 +231,8 @@ class DFlashDraftModel(PreTrainedModel):
         if old is None or old.key != key or old.rows < rows:
             embed = target.get_input_embeddings().weight
             self._decoding = _Decoding(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key)
+        else:  # weights loaded in place since (a draft vocabulary, the target's head): the graph reads this copy
+            self._decoding.head_t.copy_(self.draft_head(head).T)
         return self._decoding
 
 
@@ -249,7 +251,7 @@ class _Decoding:
                  graph: bool, key: tuple) -> None:
         c, dev, dt = drafter.config, embed.device, drafter.fc.weight.dtype
         bs, self.d, self.embed, self.rows, self.key = drafter.block_size, drafter, embed, rows, key
-        self.head_t = head.to(dt).T  # [H, V or N]
+        self.head_t = head.to(dt).T.contiguous()  # [H, V or N]
         shape = (1, c.num_key_value_heads, rows, c.head_dim)
         self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
         self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
