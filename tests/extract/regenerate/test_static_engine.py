@@ -125,3 +125,20 @@ def test_greedy_choice_is_argmax():
     got = choose_next(logits, torch.zeros(6, dtype=torch.int64), torch.zeros(6, dtype=torch.int64),
                       temperature=0.0, top_k=50, top_p=0.95)
     assert got.tolist() == [max(range(30), key=lambda j: logits[r, j]) for r in range(6)]
+
+
+@pytest.mark.slow
+def test_long_answers_and_prompts_up_to_the_context_equal_generate(tmp_path):
+    """Answers most of the context long and a prompt filling most of it (the tiny target's context is
+    512 positions; the packaged one's 8,192 holds 4,096-token answers the same way)."""
+    model = _model(tmp_path, "llama")
+    assert model.config.max_position_embeddings == 512
+    prompts = _prompts(1, seed=2, lo=50, hi=60) + _prompts(1, seed=3, lo=440, hi=450)
+    caps = {0: 440, 1: 60}  # each request ends within 512 positions
+    for i, p in enumerate(prompts):
+        eng = StaticEngine(model, batch=2, max_new_tokens=caps[i], eos=[], sync_every=16, prefill_tokens=512)
+        ((_, got),) = eng.generate([Request(i, p, i)])
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=caps[i], do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(p):].tolist()
+        assert len(got) == caps[i] and got == ref, f"request {i}"
