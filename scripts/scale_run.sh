@@ -74,7 +74,7 @@ train)
   pack > /dev/null;;
 eval)  # the export as served (bf16 weights through AutoModel) of the best checkpoint; EVAL_ARGS: more
   # train.eval options, e.g. --no-prompt-lookup (the second baseline is a third of the time); EVAL_TOKENS: new
-  # tokens per answer (96: the goal's figures; τ rises with it, docs/benchmarks/2026-12-02_cuda-graph_h200.md)
+  # tokens per answer (96: the goal's figures; longer answers of the small target loop, which inflates τ)
   python3 -m train.export --run "$RUN" --out "$W/export" --overwrite > /dev/null || exit 1
   python3 -m train.eval --export "$W/export" --limit "${EVAL_LIMIT:-48}" --max-new-tokens "${EVAL_TOKENS:-96}" --json "${TARGET[@]}" \
     ${EVAL_ARGS:-} 2>&1 | tail -n 1 | cut -c1-2000
