@@ -119,6 +119,12 @@ class StoreReader:
     def buckets(self) -> np.ndarray:
         return self.index.bucket()
 
+    def home_shards(self) -> np.ndarray:
+        """int64 [len(self)]: the shard each sample starts in (group index x 2^32 + shard), in the order
+        of `sample_ids`: what training splits among nodes (a sample that runs into the next shard
+        also reads that one)."""
+        return self.index.group.astype(np.int64) * 2**32 + self.index.start // self.manifest.rows_per_shard
+
     def prompt_keys(self) -> np.ndarray | None:
         """int64 [len(self)]: the prompt key of each sample (order of `sample_ids`), or None when the
         store has no prompts file. A sample missing from the file gets a key of its own."""

@@ -93,3 +93,35 @@ def test_two_nodes_train_from_object_storage_each_into_its_own_cache(tmp_path, o
         got = {p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()}
         fetched = {k for k in got if _is_data(k)}
         assert fetched and fetched < store_data, (len(fetched), len(store_data))  # only what its samples needed
+
+
+@pytest.mark.slow
+def test_node_affine_epochs_fetch_each_nodes_share_only(tmp_path, object_server):
+    """With --node-affine each node trains on a fixed share of the shards over every epoch, so over
+    several epochs each node's cache holds its share (plus the neighbours its samples run into), not
+    the whole store."""
+    from cache_format.mirror import Mirror
+    from cache_format.remote import _is_data
+
+    target = tiny_target_dir(tmp_path / "t", "qwen3")
+    data = write_chats(tmp_path / "d.jsonl", 80, cyclic=True)
+    local = tmp_path / "one.zarr"
+    extract(ExtractConfig(store=str(local), target=target, data=data, layers=(0, 2, 4), max_len=256, min_supervised=4,
+                          token_budget=512, rows_per_shard=1024))
+    url = object_server()
+    Mirror(local, url).push()
+    caches = [tmp_path / "node0-cache", tmp_path / "node1-cache"]
+    _two_nodes(["-m", "train", "--store", url, "--out", str(tmp_path / "r"), "--num-layers", "1", "--block-size", "4",
+                "--num-anchors", "16", "--epochs", "4", "--token-budget", "256", "--log-every", "1", "--workers", "0",
+                "--node-affine"],
+               node_env=[{"DRAFTCACHE_STORE_CACHE": str(c)} for c in caches])
+    store_data = {k for k in (p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()) if _is_data(k)}
+    fetched = []
+    for c in caches:
+        (copy,) = [d for d in c.iterdir() if d.is_dir()]
+        fetched.append({k for k in (p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()) if _is_data(k)})
+    assert fetched[0] | fetched[1] == store_data  # four epochs read every share
+    for f in fetched:  # about half the store each: its own run of shards
+        assert 0 < len(f) <= 0.6 * len(store_data), ([len(x) for x in fetched], len(store_data))
+    shared = fetched[0] & fetched[1]
+    assert len(shared) <= 2 * 4, sorted(shared)  # where the runs meet: a shard or two (x 4 arrays), not the store

@@ -132,6 +132,11 @@ class TrainConfig:
     grad_reduce: str = "fp32"
     """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
     rounded to bf16 and summed in bf16). One rank: no effect."""
+    node_affine: bool = False
+    """Several nodes: each node's ranks train on a fixed share of the store's shards (whole shards,
+    balanced by tokens), reshuffled within the share every epoch, so a node reading a store by URL
+    fetches and caches its share, 1/nodes of the store, instead of all of it over the epochs. Every
+    step still draws from every share. One node: no effect. Not with follow (the shares would move)."""
 
     def __post_init__(self) -> None:
         if not self.store or not self.out:
@@ -162,6 +167,8 @@ class TrainConfig:
             raise ValueError(f"val_samples must be >= 0 and val_every >= 1, got {self.val_samples}, {self.val_every}")
         if self.patience < 0 or (self.patience and not self.val_samples):
             raise ValueError(f"patience must be >= 0 and needs val_samples > 0, got {self.patience}")
+        if self.node_affine and self.follow:
+            raise ValueError("node_affine splits a finished store's shards among nodes: not with follow")
         if self.val_samples and self.follow:
             raise ValueError("val_samples needs the whole store to choose from: not with follow")
         if self.max_steps < 0 or self.time_limit < 0:

@@ -19,22 +19,13 @@ from cache_format.codec import dequantize
 from train.anchors import IGNORE, build_blocks, sample_anchors
 from train.replay import anchor_spans
 
-__all__ = ["BatchDataset", "CollateSettings", "collate", "holdout_mask", "plan_epoch", "plan_holdout", "to_device"]
+__all__ = ["BatchDataset", "CollateSettings", "collate", "holdout_mask", "node_shares", "plan_epoch", "plan_holdout", "to_device"]
 
 
-def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, *, token_budget: int, seed: int,
-               epoch: int, ranks: int, grad_accum: int) -> list[list[list[int]]]:
-    """Steps of one epoch: steps[s][r*grad_accum + a] = sample ids of micro-batch a of rank r.
-
-    Each micro-batch comes from one length bucket and holds at most token_budget context tokens
-    (count x longest). Micro-batch order is shuffled; the last partial step is dropped (its
-    samples come first in another epoch's shuffle).
-    """
-    g = np.random.default_rng([seed, epoch])
-    # by id first: the plan depends on the set of samples, not on the order the index lists them
-    # (which follows writer ids, i.e. how many writers stage one ran)
-    order = np.argsort(sample_ids, kind="stable")
-    sample_ids, lengths, buckets = sample_ids[order], lengths[order], buckets[order]
+def _micro_batches(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, token_budget: int,
+                   g: np.random.Generator) -> list[list[int]]:
+    """Micro-batches of one length bucket each, at most token_budget context tokens (count x longest),
+    samples shuffled within their bucket, micro-batches shuffled."""
     micro: list[list[int]] = []
     for b in np.unique(buckets):
         sel = np.flatnonzero(buckets == b)
@@ -49,9 +40,49 @@ def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray,
             longest = max(longest, n)
         if cur:
             micro.append(cur)
-    micro = [micro[i] for i in g.permutation(len(micro))]
-    per_step = ranks * grad_accum
-    return [micro[i: i + per_step] for i in range(0, len(micro) - per_step + 1, per_step)]
+    return [micro[i] for i in g.permutation(len(micro))]
+
+
+def plan_epoch(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, *, token_budget: int, seed: int,
+               epoch: int, ranks: int, grad_accum: int, node_of: np.ndarray | None = None,
+               nodes: int = 1) -> list[list[list[int]]]:
+    """Steps of one epoch: steps[s][r*grad_accum + a] = sample ids of micro-batch a of rank r.
+
+    Each micro-batch comes from one length bucket and holds at most token_budget context tokens
+    (count x longest). Micro-batch order is shuffled; the last partial step is dropped (its
+    samples come first in another epoch's shuffle). With node_of (int [n]: the node whose share
+    each sample is in, see node_shares) the ranks of node k (ranks k*ranks/nodes ..) draw only from
+    share k, shuffled within it every epoch; the epoch ends with the share that runs out first.
+    """
+    g = np.random.default_rng([seed, epoch])
+    # by id first: the plan depends on the set of samples, not on the order the index lists them
+    # (which follows writer ids, i.e. how many writers stage one ran)
+    order = np.argsort(sample_ids, kind="stable")
+    sample_ids, lengths, buckets = sample_ids[order], lengths[order], buckets[order]
+    if node_of is None:
+        micro = _micro_batches(sample_ids, lengths, buckets, token_budget, g)
+        per_step = ranks * grad_accum
+        return [micro[i: i + per_step] for i in range(0, len(micro) - per_step + 1, per_step)]
+    if ranks % nodes:
+        raise ValueError(f"{ranks} ranks do not split over {nodes} nodes evenly")
+    node_of = node_of[order]
+    shares = [_micro_batches(sample_ids[node_of == k], lengths[node_of == k], buckets[node_of == k], token_budget, g)
+              for k in range(nodes)]
+    per = ranks // nodes * grad_accum  # micro-batches a node takes per step
+    n_steps = min(len(m) // per for m in shares)
+    return [[mb for m in shares for mb in m[s * per:(s + 1) * per]] for s in range(n_steps)]
+
+
+def node_shares(home: np.ndarray, lengths: np.ndarray, nodes: int) -> np.ndarray:
+    """int [n]: the node whose share each sample is in. home (int64 [n]): the shard each sample starts
+    in (StoreReader.home_shards). The shards, in order, are cut into `nodes` runs of about equal tokens
+    (a shard goes to the run its middle token falls in): whole shards per node, and neighbouring
+    shards on one node, as a sample that runs past its shard's end reads the next one."""
+    codes, inverse = np.unique(home, return_inverse=True)
+    tokens = np.bincount(inverse, weights=lengths, minlength=len(codes))
+    middle = np.cumsum(tokens) - tokens / 2
+    owner = np.minimum(nodes - 1, (middle * nodes / max(tokens.sum(), 1)).astype(np.int64))
+    return owner[inverse]
 
 
 def holdout_mask(sample_ids: np.ndarray, n: int, seed: int, prompt_keys: np.ndarray | None = None) -> np.ndarray:

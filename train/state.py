@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-__all__ = ["TrainState"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["TrainState", "any_rank_past"]
 
 STOPS = ("", "steps", "time limit", "patience")
 
@@ -29,3 +33,11 @@ class TrainState:
         if reason not in STOPS[1:]:
             raise ValueError(f"unknown stop reason {reason!r}")
         self.stop = self.stop or reason  # the first reason is the one reported
+
+
+def any_rank_past(deadline: float, device: torch.device, world: int) -> bool:
+    """Whether any rank is past `deadline` (time.time()): every rank must stop at the same step."""
+    late = torch.tensor([float(time.time() > deadline)], device=device)
+    if world > 1:
+        dist.all_reduce(late, op=dist.ReduceOp.MAX)
+    return bool(late.item())

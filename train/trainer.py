@@ -23,7 +23,7 @@ from cache_format.lock import StoreLock
 from cache_format.world import World
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint, set_aside_after
 from train.config import TrainConfig
-from train.data import BatchDataset, CollateSettings, holdout_mask, plan_epoch, plan_holdout, to_device
+from train.data import BatchDataset, CollateSettings, holdout_mask, node_shares, plan_epoch, plan_holdout, to_device
 from train.data_parallel import data_parallel
 from train.export import start_weights
 from train.follow import StoreView, WriterWatch, agree_view, view_of
@@ -40,7 +40,7 @@ from train.start import (
     open_store,
     run_record,
 )
-from train.state import TrainState
+from train.state import TrainState, any_rank_past
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
@@ -51,16 +51,6 @@ __all__ = ["Trainer", "train"]
 # the real-target runs), and with the workers started 2 steps early still up to 26% (SmolLM2 shape,
 # 8 steps/s) and 9.9% (8B shape, DDP). Memory: one more set of workers' prefetched batches meanwhile.
 AHEAD_STEPS = 8
-# The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
-# not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
-
-
-def _past(deadline: float, device: torch.device, world: int) -> bool:
-    """Whether any rank is past `deadline` (every rank must stop at the same step)."""
-    late = torch.tensor([float(time.time() > deadline)], device=device)
-    if world > 1:
-        dist.all_reduce(late, op=dist.ReduceOp.MAX)
-    return bool(late.item())
 
 
 class Trainer:
@@ -73,7 +63,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg, self.t_start = cfg, time.time()
         world = World.from_env()
-        self.rank, self.world = world.rank, world.world_size
+        self.rank, self.world, self.local_world = world.rank, world.world_size, world.local_world_size
         self.device = world.join()
         # batch copies on a side stream overlap the step: in three runs of `python -m bench train` that
         # alternate both copy paths 98.6/98.5/99.6% of in-memory vs 95.9/98.3/99.2% on the compute stream
@@ -162,8 +152,10 @@ class Trainer:
         keep = np.isin(ids, view.sample_ids)  # in follow mode the reader may hold more than the ranks agreed on
         if self.held is not None:
             keep &= ~self.held
+        nodes = self.world // self.local_world if cfg.node_affine else 1
+        node_of = node_shares(r.home_shards()[keep], lens[keep], nodes) if nodes > 1 else None
         return plan_epoch(ids[keep], lens[keep], bks[keep], token_budget=cfg.token_budget, seed=cfg.seed, epoch=epoch,
-                          ranks=self.world, grad_accum=cfg.grad_accum)
+                          ranks=self.world, grad_accum=cfg.grad_accum, node_of=node_of, nodes=nodes)
 
     def _steps_per_epoch(self) -> int:
         """Steps an epoch takes; in follow mode the first plan scaled by records expected / seen."""
@@ -345,8 +337,8 @@ class Trainer:
             self.bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == self.total:
                 self.log_row(epoch)
-                if cfg.time_limit and self.step < self.total and _past(self.t_start + cfg.time_limit, self.device,
-                                                                       self.world):
+                if cfg.time_limit and self.step < self.total and any_rank_past(self.t_start + cfg.time_limit,
+                                                                               self.device, self.world):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
             self.state.epoch, self.state.in_epoch = epoch, s_idx + 1
             t_pause = time.time()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from train.data import holdout_mask, plan_epoch, plan_holdout
+from train.data import _micro_batches, holdout_mask, node_shares, plan_epoch, plan_holdout
 
 
 def _store(n=237, seed=0):
@@ -35,6 +35,56 @@ def test_plan_epoch_properties(ranks, accum):
     assert len(full) - len(steps) * ranks * accum < ranks * accum
     other = plan_epoch(ids, lengths, buckets, token_budget=1024, seed=3, epoch=2, ranks=ranks, grad_accum=accum)
     assert other != steps  # reshuffled every epoch
+
+
+def test_node_shares_cut_the_shards_into_runs_of_equal_tokens_like_a_loop():
+    rng = np.random.default_rng(4)
+    home = rng.integers(0, 40, 500) + (rng.integers(0, 3, 500) << 32)  # 3 groups x 40 shards
+    lengths = rng.integers(5, 400, 500)
+    got = node_shares(home, lengths, 3)
+    total, seen, owner = int(lengths.sum()), 0, {}
+    for code in sorted(set(home.tolist())):  # the oracle: walk the shards, each to the third its middle is in
+        t = int(lengths[home == code].sum())
+        owner[code] = min(2, int((seen + t / 2) * 3 // total))
+        seen += t
+    assert got.tolist() == [owner[c] for c in home.tolist()]
+    runs = [owner[c] for c in sorted(owner)]
+    assert runs == sorted(runs) and set(runs) == {0, 1, 2}  # contiguous runs of shards
+    per_node = [int(lengths[got == k].sum()) for k in range(3)]
+    biggest = max(int(lengths[home == c].sum()) for c in owner)
+    assert max(per_node) - min(per_node) <= 2 * biggest  # balanced to within a shard at each cut
+
+
+@pytest.mark.parametrize("nodes,ranks,accum", [(2, 2, 1), (2, 4, 2), (3, 3, 1)])
+def test_node_affine_plan_keeps_each_node_in_its_share(nodes, ranks, accum):
+    ids, lengths, buckets = _store(600)
+    home = np.random.default_rng(1).integers(0, 30, len(ids))
+    node_of = node_shares(home, lengths, nodes)
+    share = {int(i): int(k) for i, k in zip(ids, node_of)}
+    kw = dict(token_budget=1024, seed=3, ranks=ranks, grad_accum=accum, node_of=node_of, nodes=nodes)
+    steps = plan_epoch(ids, lengths, buckets, epoch=1, **kw)
+    per_node = ranks // nodes * accum
+    seen = []
+    for step in steps:
+        assert len(step) == ranks * accum
+        for j, mb in enumerate(step):  # micro-batch j belongs to rank j // accum, on node j // per_node
+            assert {share[s] for s in mb} == {j // per_node}
+            assert len(mb) == 1 or len(mb) * max(lengths[ids == s][0] for s in mb) <= 1024
+        seen += [s for mb in step for s in mb]
+    assert len(seen) == len(set(seen))
+    # the oracle: each share's micro-batches in turn from one generator, then step by step, node by node,
+    # until the share that runs out first
+    g, order = np.random.default_rng([3, 1]), np.argsort(ids, kind="stable")
+    i2, l2, b2, n2 = ids[order], lengths[order], buckets[order], node_of[order]
+    shares = [_micro_batches(i2[n2 == k], l2[n2 == k], b2[n2 == k], 1024, g) for k in range(nodes)]
+    want = []
+    while all(len(m) >= (len(want) + 1) * per_node for m in shares):
+        s = len(want)
+        want.append([mb for k in range(nodes) for mb in shares[k][s * per_node:(s + 1) * per_node]])
+    assert steps == want
+    assert plan_epoch(ids, lengths, buckets, epoch=2, **kw) != steps  # reshuffled within the shares
+    with pytest.raises(ValueError, match="do not split"):
+        plan_epoch(ids, lengths, buckets, epoch=1, **{**kw, "ranks": nodes + 1})
 
 
 def test_holdout_is_seeded_exact_and_order_free():
