@@ -4,6 +4,7 @@ resumed. Everything here runs once, before the first step."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,9 @@ def check_resume(cfg: TrainConfig, saved: dict[str, Any], store_identity: str) -
     if saved.get("store_identity") != store_identity:  # same path, other content: another dataset
         raise ValueError(f"cannot resume {cfg.out}: {cfg.store} is not the store it was trained on (its manifest "
                          "differs: another target, dataset or layout); train into another --out")
-    now, old = cfg.to_dict(), saved["config"]
+    # a field newer than the checkpoint counts as its default: the run trained as the default does
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.default is not dataclasses.MISSING}
+    now, old = cfg.to_dict(), {**defaults, **saved["config"]}
     diffs = [f"{k}: checkpoint has {old.get(k)!r}, now {now[k]!r}" for k in now if k not in RESUME_FREE and old.get(k) != now[k]]
     if diffs:
         raise ValueError(f"cannot resume {cfg.out}: config differs ({'; '.join(diffs)})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -497,3 +498,14 @@ def test_follow_mode_trains_from_object_storage_while_stage_one_mirrors(tmp_path
     assert res["finalized"] and res["samples_last_epoch"] == 60
     rows = _metrics(tmp_path / "run")
     assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
+
+
+def test_a_checkpoint_older_than_a_config_field_resumes_as_its_default(tmp_path):
+    """A field added since the checkpoint was written counts as its default; a real change is refused."""
+    from train.start import check_resume
+
+    cfg = TrainConfig(store=str(tmp_path / "s"), out=str(tmp_path / "r"))
+    saved = {"store_identity": "x", "config": {k: v for k, v in cfg.to_dict().items() if k != "node_affine"}}
+    check_resume(cfg, saved, "x")
+    with pytest.raises(ValueError, match="node_affine: checkpoint has False, now True"):
+        check_resume(dataclasses.replace(cfg, node_affine=True), saved, "x")
