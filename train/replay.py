@@ -84,15 +84,23 @@ def decode_visits(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Ten
     return mark[:, :n] & valid
 
 
-def replay_counts(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def replay_counts(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor,
+                  window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens, target forwards), float32 scalars, of decoding every span of the batch along
     its known continuation. Needs an anchor at every position of each span but its last (the
     held-out batches are built so): a span of s tokens then has s - 1 anchors, and decoding takes
     one forward for the prefill's token plus one per visited anchor (train.acceptance.decode_chain).
+    window > 0: decoding stops after `window` new tokens, as an evaluation with that many new tokens
+    does (a drafted anchor is one whose token is among the first window - 1).
     """
-    num_spans = _span_starts(anchors, spans).sum()
-    tokens = (anchors >= 0).sum() + num_spans
-    forwards = decode_visits(anchors, accepts, spans).sum() + num_spans
+    starts = _span_starts(anchors, spans)
+    num_spans = starts.sum()
+    counted = anchors >= 0
+    if window > 0:  # each anchor's offset in its span: anchors are sorted, so the span's start is a running max
+        first = torch.where(starts, anchors, torch.full_like(anchors, -1)).cummax(1).values
+        counted = counted & (anchors - first < window - 1)
+    tokens = counted.sum() + num_spans
+    forwards = (decode_visits(anchors, accepts, spans) & counted).sum() + num_spans
     return tokens.float(), forwards.float()
 
 

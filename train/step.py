@@ -68,12 +68,19 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings, 
     return out
 
 
+# val_decode_tau_96: decoding replayed over each answer's first 96 new tokens only, the length the
+# goal's evaluation decodes (scripts/scale_run.sh eval); whole answers of a small target end in loops
+# that any drafter follows, so the whole-answer figure reads well above the evaluation's.
+DECODE_WINDOW = 96
+
+
 @torch.no_grad()
 def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int,
                      loss: LossSettings) -> dict[str, Any]:
     """Over the held-out micro-batches (all ranks; an anchor at every response position): the
     teacher-forced loss, per-slot accuracy and sim_tau, and val_decode_tau, speculative decoding
-    replayed along the stored responses (train.replay.replay_counts). The loss is the plain decayed
+    replayed along the stored responses (train.replay.replay_counts), whole and over the first
+    DECODE_WINDOW tokens of each answer. The loss is the plain decayed
     one whatever the run trains with, so runs with other weightings compare."""
     model.eval()
     plain = dataclasses.replace(loss, backward="fused", compiled=False, weighting=Weighting())  # no backward here
@@ -85,12 +92,16 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
         tokens, forwards = replay_counts(batch["anchors"], out["accepts"], batch["anchor_span"])
         stats.sums["replay_tokens"] += tokens
         stats.sums["replay_forwards"] += forwards
+        tokens, forwards = replay_counts(batch["anchors"], out["accepts"], batch["anchor_span"], window=DECODE_WINDOW)
+        stats.sums["window_tokens"] += tokens
+        stats.sums["window_forwards"] += forwards
     s = stats.reduced(world)
     model.train()
     acc = s.acc()
     return {"val_loss": float(s["loss"] / s["weight"].clamp(min=1e-12)), "val_acc": acc,
             "val_sim_tau": acceptance_from_acc(acc),
-            "val_decode_tau": float(s["replay_tokens"] / s["replay_forwards"].clamp(min=1))}
+            "val_decode_tau": float(s["replay_tokens"] / s["replay_forwards"].clamp(min=1)),
+            f"val_decode_tau_{DECODE_WINDOW}": float(s["window_tokens"] / s["window_forwards"].clamp(min=1))}
 
 
 def make_optimizer(model: DFlashDrafter, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -132,7 +143,8 @@ class StepStats:
     def reset(self) -> None:
         z = lambda *n: torch.zeros(*n, device=self.device)  # noqa: E731
         self.sums = {"correct": z(self.block_size), "count": z(self.block_size), "loss": z(1), "weight": z(1),
-                     "positions": z(1), "replay_tokens": z(1), "replay_forwards": z(1)}
+                     "positions": z(1), "replay_tokens": z(1), "replay_forwards": z(1),
+                     "window_tokens": z(1), "window_forwards": z(1)}
         self.micro_batches, self.wait = 0, 0.0
         self.since = time.time()  # the start of the row's time (validation and checkpoints are left out)
 

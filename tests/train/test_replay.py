@@ -87,6 +87,24 @@ def test_replay_counts_equal_decode_chain_span_by_span():
         assert (int(t), int(f)) == (tokens, forwards)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 9])
+def test_replay_counts_in_a_window_equal_decoding_that_stops_there(window):
+    """window W: each span decoded only until W new tokens, as train.eval --max-new-tokens W decodes."""
+    rng = random.Random(window)
+    for _ in range(40):
+        anchors, spans, accepts, rows = _random_batch(rng, 3, full=True)
+        tokens = forwards = 0
+        for _a, s, acc, _ in rows:
+            for span in s.unique().tolist():
+                sel = s == span
+                new = min(int(sel.sum()) + 1, window)
+                tokens += new
+                forwards += len(decode_chain(acc[sel].tolist() + [0], new))
+        t, f = replay_counts(anchors, accepts, spans, window=window)
+        assert (int(t), int(f)) == (tokens, forwards)
+
+
 def test_block_accepts_and_spans():
     hit = torch.tensor([[[True, True, True, False, True], [False, False, True, True, True]]])
     assert block_accepts(hit).tolist() == [[2, 0]]  # slot 0 (the anchor) does not count
