@@ -99,6 +99,13 @@ class Lease:
             self.etag = None
 
 
+def _signature(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells a file's versions apart: size, mtime and inode. The mtime alone does not: the clock
+    that stamps it ticks every few milliseconds, and two flushes of a tail shard within one tick can
+    leave the same size; but every flush is a new file renamed into place, so a new inode."""
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def _writer_entries(logs: dict[str, bytes]) -> list[tuple[int, list[dict[str, Any]]]]:
     """(writer id, entries) of done-log snapshots {"commits/wNNNNN.jsonl": whole lines}."""
     return [(int(Path(key).stem[1:]), parse_commit_lines(raw, key)) for key, raw in logs.items()]
@@ -130,7 +137,7 @@ class Mirror:
         staging directory holds the tail shards and metadata, not the store."""
         self.local, self.url, self.evict = Path(local), url, evict
         self.bucket = bucket or open_bucket(url)
-        self.sent: dict[str, tuple[int, int]] = {}  # key -> (size, mtime_ns) last uploaded
+        self.sent: dict[str, tuple[int, int, int]] = {}  # key -> _signature of the version last uploaded
         self.bytes_sent = 0
 
     def _files(self) -> list[str]:
@@ -145,7 +152,7 @@ class Mirror:
         try:
             stat = p.stat()
             if data is None:
-                if self.sent.get(key) == (stat.st_size, stat.st_mtime_ns):
+                if self.sent.get(key) == _signature(stat):
                     return
                 data = p.read_bytes()
             obstore.put(self.bucket, key, data)
@@ -154,7 +161,7 @@ class Mirror:
         except Exception as e:  # noqa: BLE001
             raise CacheFormatError(f"{self.url}/{key}: upload failed ({_brief(e)})") from None
         # a done-log snapshot is recorded by its length (the file may have grown since)
-        self.sent[key] = (len(data), -1) if snapshot else (stat.st_size, stat.st_mtime_ns)
+        self.sent[key] = (len(data), -1, -1) if snapshot else _signature(stat)
         self.bytes_sent += len(data)
 
     def _evict(self, logs: dict[str, bytes]) -> None:
@@ -164,7 +171,7 @@ class Mirror:
                 st = p.stat()
             except FileNotFoundError:
                 continue  # evicted before
-            if self.sent.get(key) == (st.st_size, st.st_mtime_ns):  # on the server as it is here
+            if self.sent.get(key) == _signature(st):  # on the server as it is here
                 p.unlink()
 
     def push(self) -> None:
