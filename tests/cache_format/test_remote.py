@@ -175,3 +175,25 @@ def test_a_worker_forked_after_its_parent_used_the_object_store_still_fetches(tm
     p.join(60)
     assert not p.is_alive() and p.exitcode == 0
     assert q.get(timeout=5) == make_sample(13, sample_length(13, m.max_len), m)["input_ids"].tolist()
+
+
+def test_a_file_rewritten_within_one_mtime_tick_at_the_same_size_is_uploaded_again(tmp_path, object_server):
+    """Every flush renames a new file into place; the mtime clock ticks every few milliseconds, so two
+    flushes may share size and mtime: the mirror must still send the second (else the server keeps a
+    stale tail shard under a newer done-log)."""
+    import os
+
+    url, local = object_server(), tmp_path / "s"
+    (local / "w").mkdir(parents=True)
+    path = local / "w" / "shard"
+    path.write_bytes(b"A" * 64)
+    mirror = Mirror(local, url)
+    mirror._put("w/shard")
+    st = path.stat()
+    tmp = local / "w" / "shard.tmp"
+    tmp.write_bytes(b"B" * 64)
+    os.replace(tmp, path)  # as zarr's LocalStore writes: a new file renamed over the old
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same tick of the clock
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    mirror._put("w/shard")
+    assert bytes(obstore.get(open_bucket(url), "w/shard").bytes()) == b"B" * 64
