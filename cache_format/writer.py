@@ -162,8 +162,16 @@ class ShardWriter:
             arrays = self._open(b)
             base = rows - rows % self._rows
             bucket = self._new_bucket(base)
+            # the done-log entry that committed these rows of the shard: what they must read back as
+            entry = next((e for e in reversed(log) if e["bucket"] == b and e["shard"] == base // self._rows), None)
             for a in self._arrays:
                 z = arrays[a.name]
+                # the entry's rows may run past the committed end (a sample continuing in the next shard)
+                if (entry is not None and rows > base and z.shape[0] >= base + entry["rows"]  # not cut by an earlier resume
+                        and checksum(z[base:base + entry["rows"]]) != entry["crc32c"][a.name]):
+                    raise CacheFormatError(f"{self.root}: writer {self.writer_id} bucket {b} shard {base // self._rows}: "
+                                           f"the committed rows of {a.name} do not read back as committed (a stale or "
+                                           "damaged tail shard); the store cannot be resumed as it is")
                 z.resize((rows, *z.shape[1:]))  # forget uncommitted rows
                 bucket.buf[a.name][: rows - base] = z[base:rows]
             bucket.fill = rows - base

@@ -293,3 +293,26 @@ def test_one_writer_per_output_whatever_the_path(tmp_path):
     t.join(10)
     assert got and got[0].fd is not None
     got[0].release()
+
+
+def test_a_tail_shard_that_does_not_read_back_as_committed_is_refused_on_resume(tmp_path):
+    """A resumed writer reads its tail shards' committed rows back into its buffers; rows that differ
+    from what the done-log committed (a stale copy, a damaged file) are refused in one line, not
+    written on as if they were the samples committed."""
+    import zarr
+
+    from cache_format.layout import commit_log_path
+    from cache_format.logs import committed_rows, read_commit_log
+
+    m = make_manifest()
+    path = tmp_path / "s.zarr"
+    write_store(path, range(7), m, finalize=False)
+    log, _ = read_commit_log(commit_log_path(path, 0))
+    tails = {b: n for b, n in committed_rows(log).items() if n % m.rows_per_shard}
+    assert tails, "the test needs a tail shard"
+    b, n = next(iter(tails.items()))
+    z = zarr.open_group(str(path / f"w00000/b{b:02d}"), mode="r+", use_consolidated=False)["input_ids"]
+    z[n - 1] = int(z[n - 1]) + 1  # one committed token changed: the shard is rewritten by zarr
+    with pytest.raises(CacheFormatError) as e:
+        ShardWriter(path, writer_id=0)
+    assert "do not read back as committed" in str(e.value) and "\n" not in str(e.value)
