@@ -223,13 +223,11 @@ class DFlashDraftModel(PreTrainedModel):
     def _decoding_for(self, target, rows: int, device: torch.device, graph: bool) -> _Decoding:
         """A decoding state with at least `rows` context rows for this target, kept for the next prompt
         (a CUDA graph is captured once per state, not per prompt)."""
-        head = target.get_output_embeddings().weight
+        head, embed = target.get_output_embeddings().weight, target.get_input_embeddings().weight
         # a drafter or target moved or cast since (new tensors) gets a new state: the graph reads these addresses
-        key = (head.data_ptr(), target.get_input_embeddings().weight.data_ptr(), self.fc.weight.data_ptr(),
-               self.fc.weight.dtype, str(device), graph)
+        key = (head.data_ptr(), embed.data_ptr(), self.fc.weight.data_ptr(), self.fc.weight.dtype, str(device), graph)
         old = getattr(self, "_decoding", None)
         if old is None or old.key != key or old.rows < rows:
-            embed = target.get_input_embeddings().weight
             self._decoding = _Decoding(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key)
         else:  # weights loaded in place since (a draft vocabulary, the target's head): the graph reads this copy
             self._decoding.head_t.copy_(self.draft_head(head).T)

@@ -190,8 +190,8 @@ def _answer(d: Path, shard: tuple[int, int], packaged: list, base: dict, loaded,
     jobs += [(f"{dom}_invented", d / f"{dom}_prompts.jsonl", 1, 0.0, max_new_tokens) for dom in OPENINGS]
     jobs += [(f"{dom}_long", d / f"{dom}_long_prompts.jsonl", 1, 0.0, long_tokens) for dom in long_domains]
     for tag, prompts, k, temp, cap in jobs:
-        if not _read_users(prompts):
-            continue  # a long share rounded to no prompts (a small trial)
+        if not prompts.stat().st_size:
+            continue  # a long share rounded to no prompts (a small trial): _write_users wrote an empty file
         regenerate(RegenConfig(out=str(d / "parts" / f"{tag}.{i}.jsonl"), prompts=str(prompts), num_samples=k,
                                temperature=temp, max_new_tokens=cap, seed=seed + 1, **base), loaded=loaded)
     atomic_write_bytes(d / "parts" / f"answer.{i}.done", json.dumps({"shard": [i, n]}).encode())

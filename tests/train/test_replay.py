@@ -71,20 +71,26 @@ def test_decode_visits_equal_the_loop(full):
             assert set(torch.nonzero(got[r]).flatten().tolist()) == want
 
 
+def _decoded(rows, window: int = 0) -> tuple[int, int]:
+    """The loop oracle: (tokens, forwards) of decode_chain over every span of `rows`, each stopped at
+    `window` new tokens (0: at its end); a span of n tokens has n - 1 anchors."""
+    tokens = forwards = 0
+    for _a, s, acc, _ in rows:
+        for span in s.unique().tolist():
+            sel = s == span
+            new = int(sel.sum()) + 1 if not window else min(int(sel.sum()) + 1, window)
+            tokens += new
+            forwards += len(decode_chain(acc[sel].tolist() + [0], new))
+    return tokens, forwards
+
+
 def test_replay_counts_equal_decode_chain_span_by_span():
     """With an anchor at every position, tokens / forwards is decoding's τ (train.acceptance.decode_chain)."""
     rng = random.Random(1)
     for _ in range(40):
         anchors, spans, accepts, rows = _random_batch(rng, 3, full=True)
-        tokens = forwards = 0
-        for _a, s, acc, _ in rows:
-            for span in s.unique().tolist():
-                sel = s == span
-                new = int(sel.sum()) + 1  # a span of n tokens has n - 1 anchors
-                tokens += new
-                forwards += len(decode_chain(acc[sel].tolist() + [0], new))
         t, f = replay_counts(anchors, accepts, spans)
-        assert (int(t), int(f)) == (tokens, forwards)
+        assert (int(t), int(f)) == _decoded(rows)
 
 
 @torch.inference_mode()
@@ -94,15 +100,8 @@ def test_replay_counts_in_a_window_equal_decoding_that_stops_there(window):
     rng = random.Random(window)
     for _ in range(40):
         anchors, spans, accepts, rows = _random_batch(rng, 3, full=True)
-        tokens = forwards = 0
-        for _a, s, acc, _ in rows:
-            for span in s.unique().tolist():
-                sel = s == span
-                new = min(int(sel.sum()) + 1, window)
-                tokens += new
-                forwards += len(decode_chain(acc[sel].tolist() + [0], new))
         t, f = replay_counts(anchors, accepts, spans, window=window)
-        assert (int(t), int(f)) == (tokens, forwards)
+        assert (int(t), int(f)) == _decoded(rows, window)
 
 
 def test_block_accepts_and_spans():
