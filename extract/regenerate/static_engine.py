@@ -9,7 +9,11 @@ engine keeps `batch` rows busy instead:
 - the decode step (embed, every layer, lm_head, next-token choice, bookkeeping) has fixed shapes
   and no host synchronisation, so on a GPU it is captured once in a CUDA graph and replayed;
 - every `sync_every` steps the host reads which rows finished, hands their tokens out and refills
-  those rows from the queue with one batched prefill (prompts right-padded, causal attention).
+  those rows from the queue with one batched prefill (prompts right-padded, causal attention);
+- a decode step attends over the first `span` cache positions only, the power of two that covers
+  the furthest row's position through the next window (one graph per span): the cache is sized
+  for the longest prompt plus max_new_tokens, and reading all of it every step made long answers
+  pay for the positions no row had reached yet (4,096-token answers: docs/BENCHMARKS.md).
 
 It runs the HF model's own modules (norms, projections, MLP, rotary tables), so the numerics are
 the model's; only the attention over the cache is ours. Supported: decoder-only models built
@@ -90,7 +94,7 @@ class StaticEngine:
     def _allocate(self, capacity: int, rows: int) -> None:
         """Cache and per-row state for `rows` rows of `capacity` positions; drops any captured graph."""
         B, dev = rows, self.device
-        self.rows_n, self.capacity, self.graph = rows, capacity, None
+        self.rows_n, self.capacity, self.graphs = rows, capacity, {}
         self.stats["allocations"] += 1
         # [B, Hkv, S, D]: contiguous along S, so attention reads each row's keys in one sweep
         self.caches = [(torch.zeros(B, self.kv_heads, capacity, self.head_dim, device=dev, dtype=self.dtype),
@@ -126,25 +130,27 @@ class StaticEngine:
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
 
-    def _decode_step(self) -> None:
-        """One token for every row, in place on the state tensors (graph-safe: no host sync)."""
+    def _decode_step(self, span: int) -> None:
+        """One token for every row, in place on the state tensors (graph-safe: no host sync).
+        Attention reads cache positions [0, span) only: every live row's position must lie below it."""
         B = self.rows_n
         cos, sin = self.cos[self.pos][:, None, None], self.sin[self.pos][:, None, None]  # [B, 1, 1, D]
         heads = torch.arange(self.kv_heads, device=self.device)
         # [B * Hkv]: the cache slot (row b, kv head h, position pos[b]) in the flattened cache
         flat = ((self.rows[:, None] * self.kv_heads + heads[None]) * self.capacity + self.pos[:, None]).reshape(-1)
-        hidden = (self.slots[None, :] > self.pos[:, None])[:, None, None, :]  # [B, 1, 1, S]: not yet written
+        hidden = (self.slots[None, :span] > self.pos[:, None])[:, None, None, :]  # [B, 1, 1, span]: not yet written
 
         def attend(i, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             kc, vc = self.caches[i]  # [B, Hkv, S, D]
             kc.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
             vc.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
+            kc, vc = kc[:, :, :span], vc[:, :, :span]  # [B, Hkv, span, D]: views, strided along B
             # the query heads of one kv head share its keys: [B, Hkv, G, D] against [B, Hkv, S, D].
             # Plain matmuls (as HF's eager attention: scores in the model dtype, softmax in float32):
             # each reads the cache once, whatever the attention backends accept.
             qg = q[:, 0].reshape(B, self.kv_heads, self.groups, self.head_dim)
-            scores = torch.matmul(qg, kc.transpose(-1, -2)) * self.scaling  # [B, Hkv, G, S]
+            scores = torch.matmul(qg, kc.transpose(-1, -2)) * self.scaling  # [B, Hkv, G, span]
             probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), dim=-1).to(qg.dtype)
             return torch.matmul(probs, vc).reshape(B, 1, -1, self.head_dim)  # [B, 1, Hq, D]
 
@@ -188,25 +194,31 @@ class StaticEngine:
         stop = (first[:, None] == self.eos[None]).any(-1) | torch.tensor(self.max_new <= 1, device=dev)
         self.live[rows_t] = ~stop
 
-    def _step(self) -> None:
+    def _step(self, span: int) -> None:
         if not self.graphed:
-            self._decode_step()
+            self._decode_step(span)
             return
-        if self.graph is None:  # capture after warm-up on a side stream (CUDA graph rules)
+        graph = self.graphs.get(span)
+        if graph is None:  # capture after warm-up on a side stream (CUDA graph rules)
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
                 saved = [t.clone() for t in (self.tok, self.pos, self.ngen, self.live, self.out)]
                 for _ in range(2):
-                    self._decode_step()
+                    self._decode_step(span)
                 for t, v in zip((self.tok, self.pos, self.ngen, self.live, self.out), saved):
                     t.copy_(v)  # the warm-up steps must not count: put the rows back
             torch.cuda.current_stream().wait_stream(s)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._decode_step()
-            return  # capturing does not run the step: fall through to a replay below
-        self.graph.replay()
+            graph = self.graphs[span] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # capturing does not run the step: the replay below does
+                self._decode_step(span)
+        graph.replay()
+
+    def _span(self, furthest: int) -> int:
+        """Cache positions a window must attend over when the furthest row writes position `furthest`
+        first: a power of two (few graphs), at least 64, at most the capacity."""
+        need = furthest + self.sync_every  # the window's last write lands at furthest + sync_every - 1
+        return min(self.capacity, 1 << max(6, (need - 1).bit_length()))
 
     def _compact(self, keep: list[int]) -> None:
         """Shrink the batch to rows `keep` (in that order), their caches and state copied over:
@@ -215,7 +227,7 @@ class StaticEngine:
         self.caches = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.caches]
         for name in ("tok", "pos", "ngen", "keys", "live", "out"):
             setattr(self, name, getattr(self, name).index_select(0, idx))
-        self.rows_n, self.graph = len(keep), None
+        self.rows_n, self.graphs = len(keep), {}
         self.stats["compactions"] += 1
         self.rows = torch.arange(len(keep), device=self.device)
 
@@ -226,11 +238,12 @@ class StaticEngine:
         Requests are served shortest prompt first. The cache is sized for the next `batch`
         requests (rows: at most as many as are left; positions: the longest of them + max_new_tokens,
         rounded up to a power of two); a request that does not fit waits until the batch drains,
-        then the cache is rebuilt for the requests left. Once the queue is empty and at most a
-        quarter of the rows are live, the live rows are compacted into a smaller batch.
+        then the cache is rebuilt for the requests left. Once the queue is empty and at most half
+        of the rows are live, the live rows are compacted into a smaller batch.
         """
         queue = deque(sorted(requests, key=lambda r: len(r.prompt)))
         owner: dict[int, Request] = {}
+        made: dict[int, int] = {}  # row -> tokens made by the last sync (host copy)
         with torch.no_grad():
             while queue or owner:
                 if queue and not owner and len(queue[0].prompt) + self.max_new > self.capacity:
@@ -247,18 +260,24 @@ class StaticEngine:
                     self._prefill(rows_g, group)
                     self.stats["prefills"] += 1
                     owner.update(zip(rows_g, group))
-                if self.graphed and self.graph is None:
-                    self._step()  # capture
+                    made.update((b, 1) for b in rows_g)
+                # a row's next write position is its prompt length + tokens made - 1 (the prefill
+                # made the first)
+                furthest = max(len(r.prompt) + made[b] - 1 for b, r in owner.items())
+                span = self._span(furthest)
                 for _ in range(self.sync_every):
-                    self._step()
+                    self._step(span)
                 self.stats["steps"] += self.sync_every
                 state = torch.stack([self.live.long(), self.ngen]).cpu()  # the only sync per window
+                made = {b: int(state[1, b]) for b in owner}
                 ended = [b for b in owner if not state[0, b]]
                 if ended:
                     outs = self.out[torch.tensor(ended, device=self.device)].cpu()
                     for b, row in zip(ended, outs):
                         yield owner.pop(b).job, row[: int(state[1, b])].tolist()
-                if not queue and owner and self.rows_n > 8 and len(owner) <= self.rows_n // 4:
+                # a draining batch (nothing left to refill it) shrinks once half its rows are idle
+                if not queue and owner and self.rows_n > 8 and len(owner) <= self.rows_n // 2:
                     keep = sorted(owner)
                     self._compact(keep)
                     owner = {new: owner[old] for new, old in enumerate(keep)}
+                    made = {new: made[old] for new, old in enumerate(keep)}

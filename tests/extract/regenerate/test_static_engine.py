@@ -42,6 +42,25 @@ def test_greedy_equals_generate_token_for_token(tmp_path, arch):
         assert got[i] == ref, f"request {i}"
 
 
+def test_attention_spans_grow_with_the_furthest_row_and_equal_generate(tmp_path):
+    """A step attends over the first `span` cache positions only; spans grow (64, then 128) as the
+    furthest row advances, and the tokens still equal generate's."""
+    model = _model(tmp_path, "llama")
+    prompts = _prompts(3, seed=6, lo=5, hi=40)  # the longest (35) starts a window at 63: writes 63-66
+    eng = StaticEngine(model, batch=3, max_new_tokens=70, eos=[], sync_every=4, prefill_tokens=256)
+    spans, step = [], eng._decode_step
+    eng._decode_step = lambda span: (spans.append(span), step(span))[1]
+    got = dict(eng.generate([Request(i, p, i) for i, p in enumerate(prompts)]))
+    assert eng.capacity == 128 and spans[0] == 64 and spans[-1] == 128 and spans == sorted(spans)
+    longest = max(len(p) for p in prompts)  # no eos: every row lives to the end, one position a step
+    assert all(span > longest + k for k, span in enumerate(spans))  # step k writes position longest + k
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=70, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(p):].tolist()
+        assert got[i] == ref, f"request {i}"
+
+
 def test_sampled_tokens_depend_on_the_request_not_the_batch(tmp_path):
     model = _model(tmp_path, "llama")
     prompts = _prompts(11)
