@@ -166,14 +166,13 @@ def test_long_answers_and_prompts_up_to_the_context_equal_generate(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_graphs_per_span_equal_generate(tmp_path):
-    """On CUDA every span's step is its own captured graph; rows refilled, spans grown and the batch
-    compacted, the tokens still equal generate's (float32)."""
+    """On CUDA every span's step is its own captured graph; rows refilled and spans grown, the
+    tokens still equal generate's (float32)."""
     model = _model(tmp_path, "llama").cuda()
     prompts = _prompts(10, seed=6, lo=5, hi=40)
     eng = StaticEngine(model, batch=4, max_new_tokens=70, eos=[2], sync_every=4, prefill_tokens=256)
     assert eng.graphed
     got = dict(eng.generate([Request(i, p, i) for i, p in enumerate(prompts)]))
-    assert eng.stats["compactions"] >= 1
     for i, p in enumerate(prompts):
         with torch.no_grad():
             ref = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=70, do_sample=False,
