@@ -22,7 +22,6 @@ import torch
 
 from bench.common import SHAPES, random_target, synthetic_manifest
 from cache_format import ShardWriter, create_store, finalize_store
-from cache_format.codec import device_quantizer
 from cache_format.schema import default_rows_per_shard
 from extract.data import Rendered
 from extract.pipeline import compile_decoder, ring_fields, run_batches
@@ -90,10 +89,6 @@ def measure(a: argparse.Namespace) -> None:
         run_batches(model, layer_ids, batches[a.warmup:], [], None, last_hidden=a.last_hidden, stop_at_last_tap=False)
         sync()
         full = tokens / (time.perf_counter() - t0)
-    if a.dtype != "bfloat16":  # compile the store runs' quantizer here, outside their timing
-        width = len(layer_ids) * model.config.hidden_size
-        device_quantizer(a.dtype, len(layer_ids), dev)(torch.randn(a.batch, a.seq, width, device=dev, dtype=torch.bfloat16))
-        sync()
     for variant in a.variants.split(","):
         writer, n = variant.split(":")
         with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens)

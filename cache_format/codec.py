@@ -9,7 +9,6 @@ The quantized dtypes share one shape of storage: "hidden" holds uint8 bits, "hid
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import google_crc32c
@@ -28,7 +27,6 @@ __all__ = [
     "checksum",
     "compressors_for",
     "dequantize",
-    "device_quantizer",
     "file_checksum",
     "fp8_dequantize",
     "fp8_quantize",
@@ -86,20 +84,6 @@ def quantize(x: torch.Tensor, num_taps: int, dtype: str) -> tuple[torch.Tensor, 
     if dtype == "mxfp4":
         return mxfp4_quantize(x)
     raise ValueError(f"{dtype!r} is not a quantized dtype {QUANTIZED}")
-
-
-def device_quantizer(dtype: str, num_taps: int, device: torch.device) -> Callable[[torch.Tensor], tuple]:
-    """quantize(x, num_taps, dtype) as stage one runs it on `device`'s batches.
-
-    On CUDA it is compiled (torch.compile, dynamic shapes: one compile serves every batch shape):
-    eagerly the mxfp4 codec makes ~15 full-width passes (float copy, bucketize into int64 codes,
-    look-up, error) and cost 6% of an 8B forward (93.9% of the bare rate, fp8 96.3%); compiled it
-    reads the batch once. Same bits and scales as eager (checked on CPU and by the GPU test).
-    """
-    def run(x: torch.Tensor) -> tuple:
-        return quantize(x, num_taps, dtype)
-
-    return torch.compile(run, dynamic=True) if device.type == "cuda" else run
 
 
 def dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

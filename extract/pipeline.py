@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cache_format import ShardWriter
-from cache_format.codec import device_quantizer, scale_layout
+from cache_format.codec import quantize, scale_layout
 from cache_format.target import capture, decoder_parts, stack_upto
 from extract.data import Rendered
 from extract.ring import HostRing
@@ -58,7 +58,6 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
     device = next(model.parameters()).device
     base, _, _ = decoder_parts(model)
     io = _WriterThreads(writers, ring, quant)
-    quantizer = device_quantizer(quant, len(layer_ids), device) if quant and writers else None
     failure, refused = io.failure, io.refused
     copy_stream = torch.cuda.Stream() if device.type == "cuda" and writers else None
     try:
@@ -79,7 +78,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     refused[NONFINITE] += int((~ok).sum())  # syncs, like the copy would
                     on_batch(sum(len(r.input_ids) for r in batch))
                     continue
-                fields, small = _device_fields(hid, last, ok, att, quant, quantizer)
+                fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
                 slot = ring.take(failed=lambda: bool(failure))
                 if slot is None:
                     break
@@ -177,11 +176,11 @@ def _deal(rows: int, batch_index: int, writers: int) -> list[tuple[int, list[int
 
 
 def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tensor, att: torch.Tensor,
-                   quant: str, quantizer: Callable | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                   num_taps: int, quant: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The ring fields of one batch, and per-sample `small` [B, 3]: ok, squared quantization error, squared ref.
 
-    A quant dtype quantizes the taps here with `quantizer` (cache_format.codec.device_quantizer);
-    the error sums cover real tokens only (att), as the host path's would.
+    A quant dtype quantizes the K = num_taps taps here (cache_format.codec.quantize); the error sums
+    cover real tokens only (att), as the host path's would.
     """
     small = torch.zeros(hid.shape[0], 3, dtype=torch.float64, device=hid.device)
     small[:, 0] = ok.double()
@@ -189,7 +188,7 @@ def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tenso
     if quant:
         # a named range, so a profile (python -m bench extract --profile) can price the quantization
         with torch.profiler.record_function(f"draftcache.quantize.{quant}"):
-            bits, scales, err, ref = quantizer(hid)  # [B, T, bytes] u8, [B, T, scales], [B, T] f64 x2
+            bits, scales, err, ref = quantize(hid, num_taps, quant)  # [B, T, bytes] u8, [B, T, scales], [B, T] f64 x2
             real = att.double()  # [B, T]
             small[:, 1] = (err * real).sum(-1)
             small[:, 2] = (ref * real).sum(-1)
