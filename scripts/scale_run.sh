@@ -15,7 +15,7 @@
 # default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 7000), LR (6e-4),
 # TLIM (seconds this call may train: train's --time-limit, default 480), EXTRACT_ARGS (more extract
 # options, e.g. "--dtype mxfp4"), VERIFY (train's
-# --verify-shards: auto, on or off), TRAIN_ARGS (more train options, e.g. "--num-layers 8
+# --verify-shards: on (default), off or auto), TRAIN_ARGS (more train options, e.g. "--num-layers 8
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
 # with DIR its rejoined export), GGUF (default: the packaged
 # model, found by importlib); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS (1000, 6, 48, 16384).
@@ -65,7 +65,7 @@ train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
   timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
     --store "$STORE" --out "$RUN" --max-steps "${STEPS:-7000}" --time-limit "${TLIM:-480}" --lr "${LR:-6e-4}" \
-    --token-budget "${TOKENS:-16384}" --val-samples "${VAL:-1000}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-auto}" \
+    --token-budget "${TOKENS:-16384}" --val-samples "${VAL:-1000}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \
     $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1
   echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5

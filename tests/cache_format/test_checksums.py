@@ -115,8 +115,9 @@ def test_training_refuses_damaged_frozen_weights_and_prompt_keys(sound, tmp_path
 
 
 def test_training_checks_each_shard_on_first_read(sound, tmp_path):
-    """--verify-shards on: a flipped byte in a data shard stops training in one line naming the shard
-    (through a DataLoader worker too); off: the same store trains (only verify would catch it)."""
+    """By default (--verify-shards on) a flipped byte in a data shard of a finalized store stops
+    training in one line naming the shard (through a DataLoader worker too); off: the same store
+    trains (only verify would catch it)."""
     import subprocess
     import sys
 
@@ -127,7 +128,7 @@ def test_training_checks_each_shard_on_first_read(sound, tmp_path):
     common = ["--store", str(store), "--num-layers", "1", "--block-size", "4", "--num-anchors", "8",
               "--max-steps", "3", "--token-budget", "512", "--workers", "1"]
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, "-m", "train", *common, "--out", str(tmp_path / "on"), "--verify-shards", "on"],
+    p = subprocess.run([sys.executable, "-m", "train", *common, "--out", str(tmp_path / "on")],
                        capture_output=True, text=True, cwd=root, timeout=300)
     errors = [x[x.index("error:"):] for x in re.split(r"[\r\n]", p.stderr) if "error:" in x]  # \r: the progress bar
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
