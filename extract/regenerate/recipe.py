@@ -29,7 +29,7 @@ from pathlib import Path
 from cache_format.layout import atomic_write_bytes
 from extract.regenerate.config import RegenConfig
 
-__all__ = ["LONG_SHARE", "LONG_TOKENS", "OPENINGS", "SHARES", "build_recipe"]
+__all__ = ["LONG_SHARE", "LONG_TOKENS", "OPENINGS", "SHARES", "build_recipe", "interleave"]
 
 # Steering openings (the start of each invented user message) per domain.
 OPENINGS: dict[str, tuple[str, ...]] = {
@@ -60,6 +60,12 @@ LONG_TOKENS = 4096  # --recipe-long-tokens' default
 def _wait_for(paths: list[Path], poll: float = 2.0) -> None:
     while not all(p.exists() for p in paths):
         time.sleep(poll)
+
+
+def interleave(groups: list[list[str]]) -> list[str]:
+    """The groups' items taking turns: the first of each group, then the second of each, ...; a
+    group that runs out drops out of the turns."""
+    return [g[k] for k in range(max(map(len, groups), default=0)) for g in groups if k < len(g)]
 
 
 def _read_users(path: Path) -> list[str]:
@@ -160,8 +166,11 @@ def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: 
     seen: list[str] = [m[0]["content"] for m in packaged]
     drops = {}
     for dom, openings in OPENINGS.items():
-        cands = [p for j in range(len(openings)) for s in range(n)
-                 for p in _read_users(d / "parts" / f"invent_{dom}{j}.{s}.jsonl")]
+        # the openings take turns, so the cut to the domain's target keeps an equal share of each
+        # (in opening order the overdraw's cut fell on the last openings: the 100K file has no chat
+        # prompt of "Describe" or "I'm planning")
+        cands = interleave([[p for s in range(n) for p in _read_users(d / "parts" / f"invent_{dom}{j}.{s}.jsonl")]
+                            for j in range(len(openings))])
         drop = set(near_duplicates(cands, reference=held + seen))
         kept = [p for k, p in enumerate(cands) if k not in drop][: targets[dom]]
         n_long = math.ceil(len(kept) * long_share.get(dom, 0.0))

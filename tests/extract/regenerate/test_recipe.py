@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from extract.regenerate.dedup import jaccard, shingles
+from extract.regenerate.recipe import OPENINGS, interleave
 from tests.helpers import tiny_target_dir
 
 
@@ -61,6 +62,10 @@ def test_recipe_one_process_equals_two_shards_and_resumes(tmp_path, capsys):
         ps = [json.loads(x)["messages"][0]["content"] for x in (tmp_path / "one" / f"{dom}_prompts.jsonl").open()]
         sh = [shingles(p) for p in ps]
         assert all(jaccard(sh[i], sh[j]) < 0.7 for i in range(len(sh)) for j in range(i))
+    # every opening keeps its share (21 chat prompts over 12 openings: each opening at least one)
+    chat = [r["messages"][0]["content"] for r in records if r["domain"] == "chat"]
+    assert summary["selection"]["chat"]["kept"] >= len(OPENINGS["chat"])
+    assert all(any(p.startswith(o) for p in chat) for o in OPENINGS["chat"])
     # two shards, one process each, meet at the barriers and write the same requests (the texts can
     # differ where float32 rounding differs with the batch's make-up and flips a near-tie)
     procs = [_shard(tmp_path / "two", target, f"{i}/2") for i in range(2)]
@@ -73,3 +78,12 @@ def test_recipe_one_process_equals_two_shards_and_resumes(tmp_path, capsys):
     assert " 0 new tokens" in log and "written" in log
     assert all(" 0 written" in ln or ln.startswith("0 written") for ln in log.splitlines() if "written," in ln)
     assert [json.loads(x) for x in _lines(tmp_path / "one" / "train.jsonl")] == records
+
+
+def test_interleave_takes_turns_and_drops_groups_that_run_out():
+    groups = [["a1", "a2", "a3"], [], ["c1"], ["d1", "d2"]]
+    naive, k = [], 0
+    while any(k < len(g) for g in groups):  # the loop oracle: round k takes item k of every group
+        naive += [g[k] for g in groups if k < len(g)]
+        k += 1
+    assert interleave(groups) == naive == ["a1", "c1", "d1", "a2", "d2", "a3"] and interleave([]) == []
