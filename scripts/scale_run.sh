@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The data-at-scale run on one machine with N GPUs, stage by stage; every stage resumes when rerun,
 # so a run spans several device calls while the machine stays warm.
+#   bash scripts/scale_run.sh formats   # optional, first: completion-format code prompts cut from the 100K
+#                                       # file's code records (extract.regenerate.completion), answered by the
+#                                       # target; `extract` then adds them to the data
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
@@ -57,6 +60,8 @@ PY
 )}
   echo "extracting a share of $frac of the samples ($(df -h --output=avail "$(dirname "$STORE")" | tail -n 1) free)"
   gunzip -c "$DATA" | awk -v f="$frac" '(NR - 1) % 100 < f * 100' > "$W/train.jsonl"
+  # the formats stage's answers, when it ran (the same share of them)
+  [ -s "$W/completion.jsonl" ] && awk -v f="$frac" '(NR - 1) % 100 < f * 100' "$W/completion.jsonl" >> "$W/train.jsonl"
   wc -l < "$W/train.jsonl"
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "$STORE" --data "$W/train.jsonl" \
     "${TARGET[@]}" ${EXTRACT_ARGS:-} --json 2>&1 | grep -v "tok/s]" | tail -n 20
@@ -79,6 +84,11 @@ eval)  # the export as served (bf16 weights through AutoModel) of the best check
   python3 -m train.eval --export "$W/export" --limit "${EVAL_LIMIT:-48}" --max-new-tokens "${EVAL_TOKENS:-96}" --json "${TARGET[@]}" \
     ${EVAL_ARGS:-} 2>&1 | tail -n 1 | cut -c1-2000
   cp "$W/export/eval.json" "$RUN/eval.json";;
+formats)  # ~11K completion prompts from the 100K file; FORMAT_LIMIT caps them (0: all)
+  python3 -m extract.regenerate.completion --data "$DATA" --out "$W/completion_prompts.jsonl" --limit "${FORMAT_LIMIT:-0}" || exit 1
+  python3 -m extract.regenerate --prompts "$W/completion_prompts.jsonl" --out "$W/completion.jsonl" --max-new-tokens 256 \
+    --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 5
+  wc -l < "$W/completion.jsonl";;
 pack) pack;;
-*) echo "stage must be extract, train, eval or pack" >&2; exit 2;;
+*) echo "stage must be formats, extract, train, eval or pack" >&2; exit 2;;
 esac
