@@ -58,7 +58,7 @@ def mxfp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     neg = y < 0  # [..., nb, 32] bool
     y.abs_()
     mag = torch.bucketize(y, torch.tensor(_MIDPOINTS, device=y.device), out_int32=True)  # codes 0..7
-    y.sub_(torch.tensor(E2M1_VALUES, device=y.device)[mag])  # |value| - |its code's value|: the error
+    y.sub_(_lut(y.device)[mag])  # |value| - |its code's value| (codes 0..7: the positive half): the error
     err = (torch.linalg.vector_norm(y, dim=-1).double() * scale[..., 0].double()).square().sum(-1)  # [...]
     code = mag.to(torch.uint8)
     code |= (neg & (code > 0)).to(torch.uint8) << 3  # the sign bit; no negative zero

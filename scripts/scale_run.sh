@@ -59,9 +59,9 @@ print(f"{max(0.01, min(1.0, min(avail, mem) / (28.9e6 * 3000))):.2f}")
 PY
 )}
   echo "extracting a share of $frac of the samples ($(df -h --output=avail "$(dirname "$STORE")" | tail -n 1) free)"
-  gunzip -c "$DATA" | awk -v f="$frac" '(NR - 1) % 100 < f * 100' > "$W/train.jsonl"
-  # the formats stage's answers, when it ran (the same share of them)
-  [ -s "$W/completion.jsonl" ] && awk -v f="$frac" '(NR - 1) % 100 < f * 100' "$W/completion.jsonl" >> "$W/train.jsonl"
+  # with the formats stage's answers after them, when it ran
+  { gunzip -c "$DATA"; [ -s "$W/completion.jsonl" ] && cat "$W/completion.jsonl"; } \
+    | awk -v f="$frac" '(NR - 1) % 100 < f * 100' > "$W/train.jsonl"
   wc -l < "$W/train.jsonl"
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "$STORE" --data "$W/train.jsonl" \
     "${TARGET[@]}" ${EXTRACT_ARGS:-} --json 2>&1 | grep -v "tok/s]" | tail -n 20
