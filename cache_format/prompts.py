@@ -13,7 +13,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-__all__ = ["DOMAINS", "HELDOUT_GSM8K", "domain_of", "heldout_multiturn", "heldout_prompts", "train_prompts"]
+__all__ = ["DOMAINS", "HELDOUT_GSM8K", "domain_of", "heldout_multiturn", "heldout_prompts", "heldout_user_texts",
+           "train_prompts"]
 
 HELDOUT_GSM8K = 100
 DOMAINS = ("math", "code", "chat")
@@ -72,3 +73,10 @@ def heldout_multiturn() -> list[tuple[str, list[dict]]]:
     """(name, messages) of the two-turn held-out chats (names chat2/i): two user messages each; the
     evaluation answers the first with the target and measures the second."""
     return [(f"chat2/{i}", r["messages"]) for i, r in enumerate(_jsonl(_CHAT2))]
+
+
+def heldout_user_texts() -> list[str]:
+    """Every user message of the evaluation (the single-turn prompts and both turns of the two-turn
+    chats): what training data made by any tool must not echo."""
+    held = [m[-1]["content"] for _, m in heldout_prompts()]
+    return held + [x["content"] for _, m in heldout_multiturn() for x in m if x["role"] == "user"]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The data-at-scale run on one machine with N GPUs, stage by stage; every stage resumes when rerun,
 # so a run spans several device calls while the machine stays warm.
-#   bash scripts/scale_run.sh formats   # optional, first: completion-format code prompts cut from the 100K
-#                                       # file's code records (extract.regenerate.completion), answered by the
-#                                       # target; `extract` then adds them to the data
+#   bash scripts/scale_run.sh formats   # optional, first: data in the evaluation's formats, answered by the
+#                                       # target: completion-format code prompts cut from the 100K file's code
+#                                       # records (extract.regenerate.completion) and open requests (Magpie
+#                                       # with no opening); `extract` then adds them to the data whole
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
@@ -50,18 +51,19 @@ extract)
   # hidden state (CE training does not read it) are about 3.0 KB a token, ~87 GB; where /dev/shm or
   # memory holds less, keep every sample whose index falls in the first FRACTION of each hundred
   # (the file is grouped by domain, so every domain keeps the same share)
-  frac=${FRACTION:-$(python3 - "$STORE" <<'PY'
+  # the formats stage's answers are kept whole and take their room first (~3.39 characters a token)
+  extra=(); for f in "$W/completion.jsonl" "$W/open.jsonl"; do [ -s "$f" ] && extra+=("$f"); done
+  frac=${FRACTION:-$(python3 - "$STORE" "${extra[@]}" <<'PY'
 import os, sys
 st = os.statvfs(os.path.dirname(sys.argv[1]) or ".")
 avail = st.f_bavail * st.f_frsize - 2 * 2**30
 mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - 24 * 2**30  # training's own memory
-print(f"{max(0.01, min(1.0, min(avail, mem) / (28.9e6 * 3000))):.2f}")
+extra = sum(os.path.getsize(f) for f in sys.argv[2:]) / 3.39 * 3000
+print(f"{max(0.01, min(1.0, (min(avail, mem) - extra) / (28.9e6 * 3000))):.2f}")
 PY
 )}
-  echo "extracting a share of $frac of the samples ($(df -h --output=avail "$(dirname "$STORE")" | tail -n 1) free)"
-  # with the formats stage's answers after them, when it ran
-  { gunzip -c "$DATA"; [ -s "$W/completion.jsonl" ] && cat "$W/completion.jsonl"; } \
-    | awk -v f="$frac" '(NR - 1) % 100 < f * 100' > "$W/train.jsonl"
+  echo "extracting a share of $frac of the 100K samples, ${#extra[@]} formats files whole ($(df -h --output=avail "$(dirname "$STORE")" | tail -n 1) free)"
+  { gunzip -c "$DATA" | awk -v f="$frac" '(NR - 1) % 100 < f * 100'; [ ${#extra[@]} -gt 0 ] && cat "${extra[@]}"; } > "$W/train.jsonl"
   wc -l < "$W/train.jsonl"
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "$STORE" --data "$W/train.jsonl" \
     "${TARGET[@]}" ${EXTRACT_ARGS:-} --json 2>&1 | grep -v "tok/s]" | tail -n 20
@@ -84,11 +86,19 @@ eval)  # the export as served (bf16 weights through AutoModel) of the best check
   python3 -m train.eval --export "$W/export" --limit "${EVAL_LIMIT:-48}" --max-new-tokens "${EVAL_TOKENS:-96}" --json "${TARGET[@]}" \
     ${EVAL_ARGS:-} 2>&1 | tail -n 1 | cut -c1-2000
   cp "$W/export/eval.json" "$RUN/eval.json";;
-formats)  # ~11K completion prompts from the 100K file; FORMAT_LIMIT caps them (0: all)
+formats)  # ~11K completion prompts from the 100K file (FORMAT_LIMIT caps them, 0: all) and OPEN requests
+  # invented with no opening (default 12,000 before near-duplicates go): on the CPU VM the packaged
+  # target's unsteered inventions read like people's everyday requests ("How can I make a business
+  # run smoothly?") where the recipe's steered ones run to stories and long invented scenarios
   python3 -m extract.regenerate.completion --data "$DATA" --out "$W/completion_prompts.jsonl" --limit "${FORMAT_LIMIT:-0}" || exit 1
-  python3 -m extract.regenerate --prompts "$W/completion_prompts.jsonl" --out "$W/completion.jsonl" --max-new-tokens 256 \
-    --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 5
-  wc -l < "$W/completion.jsonl";;
+  python3 -m extract.regenerate --invent "${OPEN:-12000}" --temperature 1.0 --max-new-tokens 128 --seed 7 \
+    --out "$W/open_invented.jsonl" --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 2
+  python3 -m extract.regenerate.dedup --prompts "$W/open_invented.jsonl" --out "$W/open_prompts.jsonl" || exit 1
+  for k in completion open; do
+    python3 -m extract.regenerate --prompts "$W/${k}_prompts.jsonl" --out "$W/$k.jsonl" --max-new-tokens 256 \
+      --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 2
+  done
+  wc -l "$W/completion.jsonl" "$W/open.jsonl";;
 pack) pack;;
 *) echo "stage must be formats, extract, train, eval or pack" >&2; exit 2;;
 esac

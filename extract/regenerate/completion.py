@@ -110,12 +110,11 @@ def _records(path: Path) -> Iterator[dict]:
 def main(data: Path, out: Path, limit: int) -> None:
     """Completion-format code prompts from a recipe's code records."""
     from cache_format.layout import atomic_write_bytes
-    from cache_format.prompts import heldout_prompts
+    from cache_format.prompts import heldout_user_texts
     from extract.regenerate.dedup import near_duplicates
 
     found = [p for _, p in completion_prompts(_records(data))]
-    held = [m[-1]["content"] for _, m in heldout_prompts()]
-    drop = set(near_duplicates(found, reference=held))
+    drop = set(near_duplicates(found, reference=heldout_user_texts()))
     kept = [p for k, p in enumerate(found) if k not in drop][: limit or None]
     lines = "".join(json.dumps({"messages": [{"role": "user", "content": p}]}, ensure_ascii=False) + "\n" for p in kept)
     atomic_write_bytes(out, lines.encode("utf-8"))

@@ -4,14 +4,22 @@ Invented prompts (Magpie) repeat themselves: a small target given one opening wr
 few requests many times, and a duplicate trains nothing new. Two prompts are near-duplicates when
 the Jaccard similarity of their word 3-gram sets (lowercased, punctuation dropped) is at least
 `threshold`. LSH only proposes candidate pairs; every drop is confirmed by the exact Jaccard.
+
+As a tool, for a prompts file made elsewhere (e.g. `python -m extract.regenerate --invent N`):
+empty prompts, near-duplicates of each other and echoes of any evaluation prompt are dropped:
+
+    python -m extract.regenerate.dedup --prompts invented.jsonl --out prompts.jsonl
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
+import click
 import numpy as np
 
 __all__ = ["jaccard", "near_duplicates", "shingles"]
@@ -62,3 +70,43 @@ def near_duplicates(texts: Sequence[str], *, threshold: float = 0.7, reference: 
         for k, key in enumerate(keys):
             buckets[k].setdefault(key, []).append(j)
     return drop
+
+
+def _first_users(path: Path) -> list[str]:
+    """The first user message of each conversation of a prompts file ("" where there is none)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for k, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                msgs = json.loads(line)["messages"]
+                out.append(next((str(m["content"]) for m in msgs if m["role"] == "user"), ""))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise click.ClickException(f"{path} line {k}: not a conversation ({type(e).__name__}: {e})") from None
+    return out
+
+
+@click.command()
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A JSONL of conversations; each one's first user message is the prompt.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Prompts file to write (one user turn a line), for `python -m extract.regenerate --prompts`.")
+@click.option("--limit", default=0, show_default=True, type=click.IntRange(min=0), help="Keep at most N (0: all).")
+def main(prompts: Path, out: Path, limit: int) -> None:
+    """Drop empty prompts, near-duplicates and echoes of the evaluation's prompts."""
+    from cache_format.layout import atomic_write_bytes
+    from cache_format.prompts import heldout_user_texts
+
+    texts = [t.strip() for t in _first_users(prompts)]
+    cands = [t for t in texts if t]
+    drop = set(near_duplicates(cands, reference=heldout_user_texts()))
+    kept = [t for k, t in enumerate(cands) if k not in drop][: limit or None]
+    lines = "".join(json.dumps({"messages": [{"role": "user", "content": t}]}, ensure_ascii=False) + "\n" for t in kept)
+    atomic_write_bytes(out, lines.encode("utf-8"))
+    click.echo(f"{len(kept)} prompts into {out} ({len(texts)} read, {len(texts) - len(cands)} empty, "
+               f"{len(drop)} near-duplicates dropped)")
+
+
+if __name__ == "__main__":
+    main()

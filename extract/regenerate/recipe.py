@@ -157,12 +157,11 @@ def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: 
     of the held-out prompts and of the packaged ones dropped; each domain's prompts written (shard 0,
     or whichever finds the file missing), the last `long_share` of them to DOM_long_prompts.jsonl.
     Returns the counts per domain."""
-    from cache_format.prompts import heldout_multiturn, heldout_prompts
+    from cache_format.prompts import heldout_user_texts
     from extract.regenerate.dedup import near_duplicates
 
     i, n = shard
-    held = [m[-1]["content"] for _, m in heldout_prompts()]
-    held += [x["content"] for _, m in heldout_multiturn() for x in m if x["role"] == "user"]
+    held = heldout_user_texts()
     seen: list[str] = [m[0]["content"] for m in packaged]
     drops = {}
     for dom, openings in OPENINGS.items():
