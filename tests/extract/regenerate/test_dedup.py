@@ -38,3 +38,33 @@ def test_shingles_normalize_and_short_texts():
     assert shingles("Hello, World!  hello world") == shingles("hello world hello WORLD")
     assert shingles("two words") == frozenset(["two words"])
     assert near_duplicates(["Write a poem.", "write a POEM", "Write a story."]) == [1]
+
+
+def test_the_cli_drops_empty_repeated_and_held_out_prompts_and_names_a_bad_line(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cache_format.prompts import heldout_user_texts
+
+    held = heldout_user_texts()[-1]  # the second turn of a two-turn held-out chat counts too
+    users = ["How can I keep my basil plant alive indoors?", "  ", "how can I keep my basil plant alive indoors",
+             held, "What is a good name for a black cat?"]
+    src = tmp_path / "invented.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": u}]}) + "\n" for u in users))
+    root = Path(__file__).resolve().parents[3]
+    run = lambda s, *a: subprocess.run([sys.executable, "-m", "extract.regenerate.dedup", "--prompts", str(s), "--out",
+                                        str(tmp_path / "p.jsonl"), *a], capture_output=True, text=True, cwd=root,
+                                       timeout=120)
+    p = run(src)
+    assert p.returncode == 0, p.stderr
+    kept = [json.loads(x)["messages"] for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert kept == [[{"role": "user", "content": users[0]}], [{"role": "user", "content": users[4]}]]
+    assert "5 read, 1 empty, 2 near-duplicates dropped" in p.stdout
+    assert run(src, "--limit", "1").returncode == 0 and len((tmp_path / "p.jsonl").read_text().splitlines()) == 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    p = run(bad)
+    errors = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode != 0 and len(errors) == 1 and f"{bad} line 2: not a conversation" in errors[0]
