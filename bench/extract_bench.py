@@ -54,7 +54,8 @@ def _args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["bfloat16", "fp8_e4m3", "mxfp4"], default="bfloat16")
     ap.add_argument("--queue-batches", type=int, default=4)
     ap.add_argument("--variants", default="thread:2",
-                    help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2")
+                    help="comma-separated writer:count runs after one bare run, e.g. thread:1,thread:2,process:2; "
+                    "writer:count:inline quantizes on the compute stream instead of the copy's side stream")
     ap.add_argument("--profile", type=int, default=0, help="profile this many store batches; print the top ops")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (extract --compile)")
     ap.add_argument("--sdpa", default="auto", choices=["auto", "flash", "efficient", "cudnn", "math"],
@@ -90,11 +91,13 @@ def measure(a: argparse.Namespace) -> None:
         sync()
         full = tokens / (time.perf_counter() - t0)
     for variant in a.variants.split(","):
-        writer, n = variant.split(":")
-        with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens)
+        writer, n, *how = variant.split(":")
+        with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens,
+                                          beside=how != ["inline"])
         print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                           "compile": a.compile, "sdpa": a.sdpa,
-                          "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "dtype": a.dtype, "slots": a.queue_batches,
+                          "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "dtype": a.dtype,
+                          "quantize": "inline" if how == ["inline"] else "beside", "slots": a.queue_batches,
                           "batches": a.batches, "layer_ids": layer_ids,
                           "bare_tok_s": bare, "bare_full_stack_tok_s": full, "store_tok_s": with_store,
                           "ratio": with_store / bare,
@@ -108,10 +111,11 @@ def profile_store(a, model, layer_ids, batches, variant: str, dev: torch.device)
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    writer, n = variant.split(":")
+    writer, n, *how = variant.split(":")
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        run_store(a, model, layer_ids, batches, writer, int(n), dev, sum(len(b) for b in batches) * a.seq)
+        run_store(a, model, layer_ids, batches, writer, int(n), dev, sum(len(b) for b in batches) * a.seq,
+                  beside=how != ["inline"])
     wall_ms = (time.perf_counter() - t0) * 1e3  # includes the store's setup, so busy is a lower bound
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     events = prof.key_averages()
@@ -130,8 +134,10 @@ def profile_store(a, model, layer_ids, batches, variant: str, dev: torch.device)
                   f"({dev_ms / max(len(batches), 1):.3f} ms device per batch)", flush=True)
 
 
-def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.device, tokens: int) -> tuple[float, int]:
-    """Tokens/s of the same batches with `n` writers of kind `writer` into a fresh store."""
+def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.device, tokens: int,
+              beside: bool = True) -> tuple[float, int]:
+    """Tokens/s of the same batches with `n` writers of kind `writer` into a fresh store (beside: the
+    quantization on the copy's side stream)."""
     h, n_layers = model.config.hidden_size, model.config.num_hidden_layers
     shutil.rmtree(a.store, ignore_errors=True)
     m = synthetic_manifest(name=f"random-{a.shape}", hidden_size=h, vocab_size=model.config.vocab_size,
@@ -149,7 +155,8 @@ def run_store(a, model, layer_ids, batches, writer: str, n: int, dev: torch.devi
           else [ShardWriter(a.store, writer_id=w) for w in range(n)])
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
-    refused = run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden, quant=quant)
+    refused = run_batches(model, layer_ids, batches, ws, ring, last_hidden=a.last_hidden, quant=quant,
+                          quant_beside=beside)
     sync()
     rate = tokens / (time.perf_counter() - t0)
     ring.close()

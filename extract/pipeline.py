@@ -45,12 +45,15 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
                 writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *, last_hidden: bool,
                 quant: str = "", on_batch: Callable[[int], None] = lambda n: None,
-                stop_at_last_tap: bool = True) -> Counter:
+                stop_at_last_tap: bool = True, quant_beside: bool = True) -> Counter:
     """Extract every batch; returns counts of refused samples. Closes the writers.
 
     quant ("fp8_e4m3" or "mxfp4"; "" for bf16) quantizes the taps on the device (ring field "hidden"
     holds the bits, "hidden_scale" the scales), which halves the copy (fp8) or more and keeps the
     host free of float maths.
+    On a GPU the quantization runs on the copy's side stream (quant_beside), so the next forward
+    overlaps it as it overlaps the copy: mxfp4's eager passes cost the forward ~6% on the compute
+    stream (docs/BENCHMARKS.md); quant_beside=False keeps it there, for comparisons.
     No writers (and no ring) runs the bare forward: same hooks, concatenation and finiteness
     check, no host copy, no store. Without last_hidden the stack stops at the last tap
     (stop_at_last_tap=False runs every layer, as before; for comparisons).
@@ -78,7 +81,14 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     refused[NONFINITE] += int((~ok).sum())  # syncs, like the copy would
                     on_batch(sum(len(r.input_ids) for r in batch))
                     continue
-                fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
+                if quant and quant_beside and copy_stream is not None:
+                    copy_stream.wait_stream(torch.cuda.current_stream())
+                    for x in (hid, ok, att) + ((last,) if last is not None else ()):
+                        x.record_stream(copy_stream)  # read there: their memory must outlive the side stream's use
+                    with torch.cuda.stream(copy_stream):
+                        fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
+                else:
+                    fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
                 slot = ring.take(failed=lambda: bool(failure))
                 if slot is None:
                     break

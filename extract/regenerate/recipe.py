@@ -39,7 +39,8 @@ OPENINGS: dict[str, tuple[str, ...]] = {
              "How do I use Python to", "Explain what this Python code does:", "Fix the bug in this Python function:"),
     "chat": ("Can you explain", "What are some tips for", "Write a short story about", "How do I",
              "What is the difference between", "Help me write an email", "Give me advice on", "Why do",
-             "Write a poem about", "What should I know about", "Describe", "I'm planning"),
+             "Write a poem about", "What should I know about", "Describe", "I'm planning",
+             ""),  # no opening: the target's own idea of a request reads most like people's everyday ones
 }
 SHARES = {"math": 0.35, "code": 0.30, "chat": 0.35}  # of all samples
 MATH_SAMPLED = 3  # extra sampled answers per packaged math prompt
@@ -168,8 +169,8 @@ def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: 
         # the openings take turns, so the cut to the domain's target keeps an equal share of each
         # (in opening order the overdraw's cut fell on the last openings: the 100K file has no chat
         # prompt of "Describe" or "I'm planning")
-        cands = interleave([[p for s in range(n) for p in _read_users(d / "parts" / f"invent_{dom}{j}.{s}.jsonl")]
-                            for j in range(len(openings))])
+        cands = interleave([[p for s in range(n) for p in _read_users(d / "parts" / f"invent_{dom}{j}.{s}.jsonl")
+                             if p.strip()] for j in range(len(openings))])  # an empty invention asks nothing
         drop = set(near_duplicates(cands, reference=held + seen))
         kept = [p for k, p in enumerate(cands) if k not in drop][: targets[dom]]
         n_long = math.ceil(len(kept) * long_share.get(dom, 0.0))

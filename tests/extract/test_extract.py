@@ -219,6 +219,23 @@ def test_gpu_big_padded_batches_store_every_sample(tmp_path, llama, writer):
             assert (got - want).norm() / want.norm() < 2e-2, (got - want).norm() / want.norm()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_quantizing_beside_the_forward_gives_the_host_codec_bits(tmp_path, llama):
+    # on a GPU the quantizer runs on the copy's side stream, racing the next forward: every tensor
+    # it reads must outlive it, or bits of a later batch land in an earlier one
+    from cache_format.codec import QuantRows, dequantize
+
+    data = write_chats(tmp_path / "many.jsonl", 300, seed=2)
+    run(extract_cfg(tmp_path / "bf16.zarr", llama, data, token_budget=8192))
+    run(extract_cfg(tmp_path / "mx.zarr", llama, data, token_budget=8192, dtype="mxfp4", writers=2))
+    ref, got = content(tmp_path / "bf16.zarr"), content(tmp_path / "mx.zarr")
+    assert ref.keys() == got.keys() and len(ref) > 250
+    for sid, (ids, _mask, hidden, _last) in ref.items():
+        q = QuantRows.of(hidden, 3, "mxfp4")
+        torch.testing.assert_close(got[sid][2], dequantize(q.bits, q.scales).view(len(ids), -1).bfloat16(), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("writer,dtype", [("thread", "fp8_e4m3"), ("process", "fp8_e4m3"), ("thread", "mxfp4")])
 def test_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama, chats, writer, dtype):
     # stage one quantizes on the device; the bits must be those the host codec makes from the
