@@ -85,13 +85,14 @@ def decode_visits(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Ten
 
 
 def replay_counts(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor,
-                  window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  window: int = 0, visits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens, target forwards), float32 scalars, of decoding every span of the batch along
     its known continuation. Needs an anchor at every position of each span but its last (the
     held-out batches are built so): a span of s tokens then has s - 1 anchors, and decoding takes
     one forward for the prefill's token plus one per visited anchor (train.acceptance.decode_chain).
     window > 0: decoding stops after `window` new tokens, as an evaluation with that many new tokens
-    does (a drafted anchor is one whose token is among the first window - 1).
+    does (a drafted anchor is one whose token is among the first window - 1). visits: decode_visits of
+    the same arguments when the caller has it (counting several windows walks the links once).
     """
     starts = _span_starts(anchors, spans)
     num_spans = starts.sum()
@@ -100,7 +101,9 @@ def replay_counts(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Ten
         first = torch.where(starts, anchors, torch.full_like(anchors, -1)).cummax(1).values
         counted = counted & (anchors - first < window - 1)
     tokens = counted.sum() + num_spans
-    forwards = (decode_visits(anchors, accepts, spans) & counted).sum() + num_spans
+    if visits is None:
+        visits = decode_visits(anchors, accepts, spans)
+    forwards = (visits & counted).sum() + num_spans
     return tokens.float(), forwards.float()
 
 

@@ -18,7 +18,7 @@ from train.data import BatchDataset, to_device
 from train.losses import LossOut, Weighting, acceptance_from_acc, draft_loss
 from train.masks import dense_mask, flex_block_mask
 from train.model import DFlashDrafter
-from train.replay import replay_counts
+from train.replay import decode_visits, replay_counts
 
 __all__ = ["LossSettings", "StepStats", "evaluate_holdout", "forward_backward", "forward_loss", "lr_lambda",
            "make_optimizer"]
@@ -89,12 +89,12 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
         batch = to_device(ds[i], device)
         out = forward_loss(model, batch, plain, replay=True)
         stats.add(out, batch, by_weight=True)
-        tokens, forwards = replay_counts(batch["anchors"], out["accepts"], batch["anchor_span"])
-        stats.sums["replay_tokens"] += tokens
-        stats.sums["replay_forwards"] += forwards
-        tokens, forwards = replay_counts(batch["anchors"], out["accepts"], batch["anchor_span"], window=DECODE_WINDOW)
-        stats.sums["window_tokens"] += tokens
-        stats.sums["window_forwards"] += forwards
+        walk = (batch["anchors"], out["accepts"], batch["anchor_span"])
+        visits = decode_visits(*walk)  # [b, N]: shared by the whole answers and the window
+        for key, window in (("replay", 0), ("window", DECODE_WINDOW)):
+            tokens, forwards = replay_counts(*walk, window=window, visits=visits)
+            stats.sums[f"{key}_tokens"] += tokens
+            stats.sums[f"{key}_forwards"] += forwards
     s = stats.reduced(world)
     model.train()
     acc = s.acc()

@@ -102,6 +102,9 @@ def test_replay_counts_in_a_window_equal_decoding_that_stops_there(window):
         anchors, spans, accepts, rows = _random_batch(rng, 3, full=True)
         t, f = replay_counts(anchors, accepts, spans, window=window)
         assert (int(t), int(f)) == _decoded(rows, window)
+        # the visits walked once and handed in count the same
+        visits = decode_visits(anchors, accepts, spans)
+        assert replay_counts(anchors, accepts, spans, window=window, visits=visits) == (t, f)
 
 
 def test_block_accepts_and_spans():
