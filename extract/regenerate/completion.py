@@ -25,6 +25,8 @@ from pathlib import Path
 
 import click
 
+from extract.regenerate.dedup import out_options, write_prompts
+
 __all__ = ["completion_prompt", "completion_prompts", "wrap_completion"]
 
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
@@ -104,21 +106,12 @@ def _records(path: Path) -> Iterator[dict]:
 @click.command()
 @click.option("--data", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A recipe's train.jsonl (or .jsonl.gz): records with a domain and messages.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Prompts file to write (one user turn a line), for `python -m extract.regenerate --prompts`.")
-@click.option("--limit", default=0, show_default=True, type=click.IntRange(min=0), help="At most N prompts (0: all).")
+@out_options
 def main(data: Path, out: Path, limit: int) -> None:
     """Completion-format code prompts from a recipe's code records."""
-    from cache_format.layout import atomic_write_bytes
-    from cache_format.prompts import heldout_user_texts
-    from extract.regenerate.dedup import near_duplicates
-
     found = [p for _, p in completion_prompts(_records(data))]
-    drop = set(near_duplicates(found, reference=heldout_user_texts()))
-    kept = [p for k, p in enumerate(found) if k not in drop][: limit or None]
-    lines = "".join(json.dumps({"messages": [{"role": "user", "content": p}]}, ensure_ascii=False) + "\n" for p in kept)
-    atomic_write_bytes(out, lines.encode("utf-8"))
-    click.echo(f"{len(kept)} completion prompts into {out} ({len(found)} found, {len(drop)} near-duplicates dropped)")
+    kept, dropped = write_prompts(found, out, limit)
+    click.echo(f"{kept} completion prompts into {out} ({len(found)} found, {dropped} near-duplicates dropped)")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import numpy as np
 
-__all__ = ["jaccard", "near_duplicates", "shingles"]
+__all__ = ["jaccard", "near_duplicates", "out_options", "shingles", "write_prompts"]
 
 _WORD = re.compile(r"[a-z0-9]+")
 _P = (1 << 31) - 1  # a Mersenne prime: a * x + b < 2^62 fits int64 for a, b, x < 2^31
@@ -87,25 +87,39 @@ def _first_users(path: Path) -> list[str]:
     return out
 
 
+def out_options(command):
+    """--out and --limit of the tools that write a prompts file with write_prompts."""
+    command = click.option("--limit", default=0, show_default=True, type=click.IntRange(min=0),
+                           help="Keep at most N prompts (0: all).")(command)
+    return click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+                        help="Prompts file to write (one user turn a line), for `python -m extract.regenerate "
+                        "--prompts`.")(command)
+
+
 @click.command()
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A JSONL of conversations; each one's first user message is the prompt.")
-@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Prompts file to write (one user turn a line), for `python -m extract.regenerate --prompts`.")
-@click.option("--limit", default=0, show_default=True, type=click.IntRange(min=0), help="Keep at most N (0: all).")
+@out_options
 def main(prompts: Path, out: Path, limit: int) -> None:
     """Drop empty prompts, near-duplicates and echoes of the evaluation's prompts."""
+    texts = [t.strip() for t in _first_users(prompts)]
+    cands = [t for t in texts if t]
+    kept, dropped = write_prompts(cands, out, limit)
+    click.echo(f"{kept} prompts into {out} ({len(texts)} read, {len(texts) - len(cands)} empty, "
+               f"{dropped} near-duplicates dropped)")
+
+
+def write_prompts(texts: Sequence[str], out: Path, limit: int = 0) -> tuple[int, int]:
+    """A prompts file (one user turn a line, written whole) of `texts` less their near-duplicates and
+    echoes of any evaluation prompt, the first `limit` kept (0: all). Returns (kept, dropped)."""
     from cache_format.layout import atomic_write_bytes
     from cache_format.prompts import heldout_user_texts
 
-    texts = [t.strip() for t in _first_users(prompts)]
-    cands = [t for t in texts if t]
-    drop = set(near_duplicates(cands, reference=heldout_user_texts()))
-    kept = [t for k, t in enumerate(cands) if k not in drop][: limit or None]
+    drop = set(near_duplicates(texts, reference=heldout_user_texts()))
+    kept = [t for k, t in enumerate(texts) if k not in drop][: limit or None]
     lines = "".join(json.dumps({"messages": [{"role": "user", "content": t}]}, ensure_ascii=False) + "\n" for t in kept)
     atomic_write_bytes(out, lines.encode("utf-8"))
-    click.echo(f"{len(kept)} prompts into {out} ({len(texts)} read, {len(texts) - len(cands)} empty, "
-               f"{len(drop)} near-duplicates dropped)")
+    return len(kept), len(drop)
 
 
 if __name__ == "__main__":
