@@ -15,13 +15,14 @@
 #   cp train/modeling_dflash.py E/ && python -m train.eval --export E --target GGUF --limit 48 --max-new-tokens 96
 # The options are those of configs/smollm2-h200/ (extract.toml, train.toml); the environment overrides a few.
 # Settings (environment): DATA (default: docs/results/recipe-default-100k/train.jsonl.gz), W (work
-# dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the samples to extract,
-# default: as many as fit in /dev/shm and memory), STEPS (cosine length, default 7000), LR (6e-4),
+# dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the 100K file to extract,
+# default: as many as fit in /dev/shm and memory beside the formats answers), STEPS (cosine length, default 7000), LR (6e-4),
 # TLIM (seconds this call may train: train's --time-limit, default 480), EXTRACT_ARGS (more extract
 # options, e.g. "--dtype mxfp4"), VERIFY (train's
 # --verify-shards: on (default), off or auto), TRAIN_ARGS (more train options, e.g. "--num-layers 8
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
-# with DIR its rejoined export), GGUF (default: the packaged
+# with DIR its rejoined export), FORMAT_LIMIT and OPEN (the formats stage's completion prompts, default
+# all, and open requests invented, default 12000), GGUF (default: the packaged
 # model, found by importlib); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS (1000, 6, 48, 16384).
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail
