@@ -73,18 +73,15 @@ def near_duplicates(texts: Sequence[str], *, threshold: float = 0.7, reference: 
 
 
 def _first_users(path: Path) -> list[str]:
-    """The first user message of each conversation of a prompts file ("" where there is none)."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for k, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                msgs = json.loads(line)["messages"]
-                out.append(next((str(m["content"]) for m in msgs if m["role"] == "user"), ""))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise click.ClickException(f"{path} line {k}: not a conversation ({type(e).__name__}: {e})") from None
-    return out
+    """The first user message of each conversation of a prompts file ("" where there is none); a bad
+    line stops with cache_format.conversations' one-line error naming file and line."""
+    from cache_format.conversations import BadRecord, read_conversations
+
+    try:
+        return [next((m["content"] for m in msgs if m["role"] == "user"), "")
+                for _, msgs in read_conversations(path, skip_bad=False, require_assistant=False)]
+    except BadRecord as e:
+        raise click.ClickException(str(e)) from None
 
 
 def out_options(command):

@@ -67,4 +67,4 @@ def test_the_cli_drops_empty_repeated_and_held_out_prompts_and_names_a_bad_line(
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps({"text": "x"}) + "\n")
     p = run(bad)
     errors = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode != 0 and len(errors) == 1 and f"{bad} line 2: not a conversation" in errors[0]
+    assert p.returncode != 0 and len(errors) == 1 and f"{bad}:2: record has neither 'messages' nor" in errors[0]
