@@ -91,13 +91,13 @@ def measure(a: argparse.Namespace) -> None:
         sync()
         full = tokens / (time.perf_counter() - t0)
     for variant in a.variants.split(","):
-        writer, n, *how = variant.split(":")
-        with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, int(n), dev, tokens,
-                                          beside=how != ["inline"])
+        writer, n, beside = _variant(variant)
+        with_store, bytes_tok = run_store(a, model, layer_ids, batches[a.warmup:], writer, n, dev, tokens,
+                                          beside=beside)
         print(json.dumps({"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                           "compile": a.compile, "sdpa": a.sdpa,
-                          "batch": a.batch, "seq": a.seq, "writer": writer, "writers": int(n), "dtype": a.dtype,
-                          "quantize": "inline" if how == ["inline"] else "beside", "slots": a.queue_batches,
+                          "batch": a.batch, "seq": a.seq, "writer": writer, "writers": n, "dtype": a.dtype,
+                          "quantize": "beside" if beside else "inline", "slots": a.queue_batches,
                           "batches": a.batches, "layer_ids": layer_ids,
                           "bare_tok_s": bare, "bare_full_stack_tok_s": full, "store_tok_s": with_store,
                           "ratio": with_store / bare,
@@ -106,16 +106,21 @@ def measure(a: argparse.Namespace) -> None:
         profile_store(a, model, layer_ids, batches[a.warmup: a.warmup + a.profile], a.variants.split(",")[0], dev)
 
 
+def _variant(spec: str) -> tuple[str, int, bool]:
+    """"writer:count[:inline]" -> (writer, count, quantize beside the forward on the copy's stream)."""
+    writer, n, *how = spec.split(":")
+    return writer, int(n), how != ["inline"]
+
+
 def profile_store(a, model, layer_ids, batches, variant: str, dev: torch.device) -> None:
     """The store run of `variant` over `batches` under torch.profiler: the top ops by device time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    writer, n, *how = variant.split(":")
+    writer, n, beside = _variant(variant)
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        run_store(a, model, layer_ids, batches, writer, int(n), dev, sum(len(b) for b in batches) * a.seq,
-                  beside=how != ["inline"])
+        run_store(a, model, layer_ids, batches, writer, n, dev, sum(len(b) for b in batches) * a.seq, beside=beside)
     wall_ms = (time.perf_counter() - t0) * 1e3  # includes the store's setup, so busy is a lower bound
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     events = prof.key_averages()

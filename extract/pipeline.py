@@ -11,6 +11,7 @@ the GPU rather than exhausting memory.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections import Counter
@@ -82,13 +83,12 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     refused[NONFINITE] += int((~ok).sum())  # syncs, like the copy would
                     on_batch(sum(len(r.input_ids) for r in batch))
                     continue
-                if quant and quant_beside and copy_stream is not None:
+                beside = bool(quant) and quant_beside and copy_stream is not None
+                if beside:
                     copy_stream.wait_stream(torch.cuda.current_stream())
                     for x in (hid, ok, att) + ((last,) if last is not None else ()):
                         x.record_stream(copy_stream)  # read there: their memory must outlive the side stream's use
-                    with torch.cuda.stream(copy_stream):
-                        fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
-                else:
+                with torch.cuda.stream(copy_stream) if beside else contextlib.nullcontext():
                     fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
                 slot = ring.take(failed=lambda: bool(failure))
                 if slot is None:
