@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from cache_format.target import capture
 
-__all__ = ["decode_chain", "leading_matches", "teacher_forced_accepts"]
+__all__ = ["decode_chain", "leading_matches", "per_response_tau", "teacher_forced_accepts"]
 
 
 def leading_matches(draft: list[int], truth: list[int]) -> int:
@@ -49,6 +49,17 @@ def decode_chain(accepts: list[int], new_tokens: int) -> list[int]:
         steps.append(e)
         j += e
     return steps
+
+
+def per_response_tau(accepted: list[list[int]]) -> float | None:
+    """τ as the DFlash reference benchmark counts it: per response, the mean tokens emitted per
+    drafting step (accepted drafts plus the bonus), the prefill's forward and its one token left
+    out; then the mean over responses. accepted: per response, tokens per target forward as
+    `spec_generate` returns them (the prefill's first). Responses without a drafting step are
+    skipped; None when none has one. It reads above draftcache's τ (new tokens per target forward
+    over all responses, prefill included), which weighs long responses and counts every forward."""
+    per = [sum(a[1:]) / (len(a) - 1) for a in accepted if len(a) > 1]
+    return sum(per) / len(per) if per else None
 
 
 @torch.inference_mode()

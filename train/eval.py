@@ -6,9 +6,11 @@
 For every prompt: target-only greedy decoding, DFlash speculative decoding and transformers'
 prompt-lookup decoding. Speculative decoding is the export's own `spec_generate`
 (train/modeling_dflash.py): the checkpoint is evaluated through that class in float32, the
-export as a user loads it (AutoModel, trust_remote_code, bf16 weights). Reports τ (tokens per
-target forward, bonus included), the acceptance histogram, speedup, and `lossless`: every DFlash
-output identical to the target's own greedy output. The target runs in --dtype (float32 by
+export as a user loads it (AutoModel, trust_remote_code, bf16 weights). Reports τ (new tokens per
+target forward over all prompts, the bonus and the prefill's forward included), the DFlash reference
+benchmark's τ beside it (`tau_per_response`: per response over drafting steps only, then the mean
+over responses; peers publish this one), the acceptance histogram, speedup, and `lossless`: every
+DFlash output identical to the target's own greedy output. The target runs in --dtype (float32 by
 default): in bfloat16 argmax ties flip with batch shape, so the check is exact only in float32.
 --teacher-forced adds the drafter's acceptance at every anchor of the target's greedy output
 (train.acceptance): sim_tau's counterpart on these prompts, and the decode that it implies.
@@ -28,7 +30,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from train.acceptance import decode_chain, teacher_forced_accepts
+from train.acceptance import decode_chain, per_response_tau, teacher_forced_accepts
 from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.export import hf_drafter
 from train.spec_decode import target_generate
@@ -154,7 +156,8 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
             new = spec["sequences"][0, len(ids):].tolist()
             hist[which].update(spec["accepted"])
             rows[which].append({"prompt": name, "new_tokens": len(new), "target_forwards": spec["target_forwards"],
-                                "tau": len(new) / spec["target_forwards"], "lossless": new == base.tokens})
+                                "tau": len(new) / spec["target_forwards"], "lossless": new == base.tokens,
+                                "accepted": spec["accepted"]})
             if teacher_forced:
                 rows[which][-1].update(_teacher_forced_row(drafter, model, ids, base.tokens, spec["accepted"]))
         pl_new, pl_fw = _prompt_lookup(model, tok, ids, t, max_new_tokens=max_new_tokens, eos=eos) if prompt_lookup \
@@ -206,6 +209,8 @@ def _summary(r: list[dict[str, Any]], hist: Counter, t: _Tally, which: str, draf
     new_tokens, spec_fw = sum(x["new_tokens"] for x in r), sum(x["target_forwards"] for x in r)
     return {
         "tau": new_tokens / max(1, spec_fw),
+        # the DFlash reference benchmark's count (per response, drafting steps only), for figures from peers
+        "tau_per_response": per_response_tau([x["accepted"] for x in r]),
         "lossless": all(x["lossless"] for x in r),
         "lossless_dtype": str(model.dtype).replace("torch.", ""),
         "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
@@ -369,6 +374,8 @@ def main(as_json: bool, **kw) -> None:
     click.echo(f"drafter {res.get('checkpoint') or res['export_path']} ({res['drafter_dtype']} weights)")
     click.echo(f"tau {res['tau']:.3f} over {res['num_prompts']} prompts, {res['new_tokens']} new tokens "
                f"({res['target_forwards']} target forwards vs {res['baseline_target_forwards']} greedy)")
+    if res["tau_per_response"] is not None:
+        click.echo(f"tau per response, drafting steps only (the DFlash benchmark's count) {res['tau_per_response']:.3f}")
     click.echo(f"lossless {res['lossless']} (checked in {res['lossless_dtype']}); speedup {res['speedup']:.2f}x "
                f"({res['tokens_per_s']:.1f} vs {res['baseline_tokens_per_s']:.1f} tok/s)")
     pl = res["prompt_lookup_tau_by_domain"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from train.acceptance import decode_chain, leading_matches
+from train.acceptance import decode_chain, leading_matches, per_response_tau
 
 
 def _decode_like_spec_generate(accepts: list[int], new_tokens: int) -> list[int]:
@@ -36,3 +36,22 @@ def test_leading_matches():
     assert leading_matches([5, 2], [1, 2]) == 0
     assert leading_matches([1, 2, 3], [1, 2]) == 2  # the known output ends
     assert leading_matches([], [1]) == 0
+
+
+def test_per_response_tau_counts_drafting_steps_per_response():
+    rng = random.Random(1)
+    for _ in range(100):
+        responses = []
+        for _ in range(rng.randint(1, 6)):
+            n = rng.randint(1, 40)
+            responses.append(_decode_like_spec_generate([rng.randint(0, 7) for _ in range(n)], n))
+        means = []
+        for accepted in responses:  # the reference benchmark's loop: one entry per drafting step
+            steps = [a for i, a in enumerate(accepted) if i > 0]
+            if steps:
+                means.append(sum(steps) / len(steps))
+        got = per_response_tau(responses)
+        assert (got is None) if not means else abs(got - sum(means) / len(means)) < 1e-12
+    # a long response does not outweigh a short one, and the prefill's single token is not a step
+    assert per_response_tau([[1, 4, 4, 4, 4], [1, 2]]) == 3.0
+    assert per_response_tau([[1], [1]]) is None

@@ -78,6 +78,10 @@ def test_overfit_drafter_tau_above_one_and_lossless(trained):
     assert res["lossless"] is True and res["num_prompts"] == 6
     assert res["tau"] > 1.5, res
     assert sum(int(k) * v for k, v in res["acceptance_histogram"].items()) == res["new_tokens"]
+    rows = json.loads((Path(run) / "eval.json").read_text())["prompts"]
+    # per answer: the tokens after the prefill's first over the forwards after the prefill
+    per = [(r["new_tokens"] - 1) / (r["target_forwards"] - 1) for r in rows if r["target_forwards"] > 1]
+    assert abs(res["tau_per_response"] - sum(per) / len(per)) < 1e-9, res
     assert list(res["tau_by_source"]) == [prompts] and abs(res["tau_by_source"][prompts] - res["tau"]) < 1e-9
     # drafting at every anchor of the greedy output, then walking those acceptances as decoding
     # does, takes decoding's own steps (float32: the context computed at once equals it built up)
