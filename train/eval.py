@@ -22,7 +22,6 @@ import json
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,9 @@ import click
 import torch
 from tqdm import tqdm
 
-from train.acceptance import decode_chain, per_response_tau, teacher_forced_accepts
+from train.acceptance import decode_chain, teacher_forced_accepts
 from train.checkpoint import load_checkpoint, resolve_checkpoint
+from train.eval_report import Tally, plot, summary, tau_so_far
 from train.export import hf_drafter
 from train.spec_decode import target_generate
 
@@ -141,7 +141,9 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
         raise ValueError(f"--prompts {prompts}: no prompts to evaluate")
     rows: dict[str, list] = {name: [] for name in drafters}
     hist = {name: Counter() for name in drafters}
-    t = _Tally(spec_s=dict.fromkeys(drafters, 0.0))
+    t = Tally(spec_s=dict.fromkeys(drafters, 0.0))
+    # each drafter's vocabulary (None: the target's whole): a greedy token outside it is a certain miss
+    vocab = {k: None if getattr(d, "draft_ids", None) is None else set(d.draft_ids.tolist()) for k, d in drafters.items()}
     # prompts done, τ so far and the time left, on stderr (a CPU evaluation of 48 prompts takes an hour)
     bar = tqdm(todo, desc=f"eval on {device.type}", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     for name, msgs in bar:
@@ -157,16 +159,18 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
             hist[which].update(spec["accepted"])
             rows[which].append({"prompt": name, "new_tokens": len(new), "target_forwards": spec["target_forwards"],
                                 "tau": len(new) / spec["target_forwards"], "lossless": new == base.tokens,
-                                "accepted": spec["accepted"]})
+                                "accepted": spec["accepted"], "greedy_tokens": len(base.tokens),
+                                "in_draft_vocab": len(base.tokens) if vocab[which] is None
+                                else sum(x in vocab[which] for x in base.tokens)})
             if teacher_forced:
                 rows[which][-1].update(_teacher_forced_row(drafter, model, ids, base.tokens, spec["accepted"]))
         pl_new, pl_fw = _prompt_lookup(model, tok, ids, t, max_new_tokens=max_new_tokens, eos=eos) if prompt_lookup \
             else (0, 0)
         for r in rows.values():
             r[-1].update(prompt_lookup_new_tokens=pl_new, prompt_lookup_target_forwards=pl_fw)
-        bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{_tau(r):.2f}" for k, r in rows.items()})
+        bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{tau_so_far(r):.2f}" for k, r in rows.items()})
     bar.close()
-    res = {which: _summary(rows[which], hist[which], t, which, drafters[which], model, device,
+    res = {which: summary(rows[which], hist[which], t, which, drafters[which], model, device,
                            prompt_lookup=prompt_lookup, teacher_forced=teacher_forced, cuda_graph=cuda_graph)
            for which in drafters}
     if "checkpoint" in res:
@@ -177,19 +181,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     return {**res["export"], "export_path": export}
 
 
-@dataclass
-class _Tally:
-    """Seconds and target forwards of the baselines over the prompts so far, and of each drafter."""
-
-    spec_s: dict[str, float]
-    base_s: float = 0.0
-    base_fw: int = 0
-    pl_s: float = 0.0
-    pl_fw: int = 0
-    pl_tokens: int = 0
-
-
-def _prompt_lookup(model, tok, ids: list[int], t: _Tally, *, max_new_tokens: int, eos: list[int]) -> tuple[int, int]:
+def _prompt_lookup(model, tok, ids: list[int], t: Tally, *, max_new_tokens: int, eos: list[int]) -> tuple[int, int]:
     """transformers' prompt-lookup decoding of one prompt: (new tokens, target forwards), added to `t`."""
     box, h = _count_forwards(model)
     with torch.inference_mode():
@@ -201,41 +193,6 @@ def _prompt_lookup(model, tok, ids: list[int], t: _Tally, *, max_new_tokens: int
     new = pl.shape[1] - len(ids)
     t.pl_fw, t.pl_tokens = t.pl_fw + box["n"], t.pl_tokens + new
     return new, box["n"]
-
-
-def _summary(r: list[dict[str, Any]], hist: Counter, t: _Tally, which: str, drafter, model, device, *,
-             prompt_lookup: bool, teacher_forced: bool, cuda_graph: bool) -> dict[str, Any]:
-    """One drafter's figures over its prompt rows `r` (the JSON contract of train.eval)."""
-    new_tokens, spec_fw = sum(x["new_tokens"] for x in r), sum(x["target_forwards"] for x in r)
-    return {
-        "tau": new_tokens / max(1, spec_fw),
-        # the DFlash reference benchmark's count (per response, drafting steps only), for figures from peers
-        "tau_per_response": per_response_tau([x["accepted"] for x in r]),
-        "lossless": all(x["lossless"] for x in r),
-        "lossless_dtype": str(model.dtype).replace("torch.", ""),
-        "drafter_dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
-        "num_prompts": len(r),
-        "new_tokens": new_tokens,
-        "target_forwards": spec_fw,
-        "baseline_target_forwards": t.base_fw,
-        "tokens_per_s": new_tokens / max(t.spec_s[which], 1e-9),
-        "baseline_tokens_per_s": new_tokens / max(t.base_s, 1e-9),
-        "speedup": t.base_s / max(t.spec_s[which], 1e-9),
-        "baseline_prompt_lookup_tau": t.pl_tokens / max(1, t.pl_fw) if prompt_lookup else None,
-        "baseline_prompt_lookup_speedup": ((t.base_s / max(t.pl_s, 1e-9)) * (t.pl_tokens / max(1, new_tokens))
-                                           if prompt_lookup else None),
-        "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
-        **_by_source(r),
-        **({"teacher_forced": _teacher_forced(r)} if teacher_forced else {}),
-        "device": str(device),
-        "cuda_graph": cuda_graph and device.type == "cuda",
-        "prompts": r,
-    }
-
-
-def _tau(rows: list[dict[str, Any]]) -> float:
-    """τ over the prompts so far: new tokens per target forward, token-weighted."""
-    return sum(r["new_tokens"] for r in rows) / max(1, sum(r["target_forwards"] for r in rows))
 
 
 def _export_target(export: str) -> str:
@@ -273,69 +230,6 @@ def _teacher_forced_row(drafter, target, prompt: list[int], new: list[int], deco
             "tf_chain_equals_decode": chain == list(decoded)}
 
 
-def _teacher_forced(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """τ at every anchor (sim_tau's counterpart), overall and per domain; τ of the implied decode,
-    and the share of prompts whose implied decode took exactly decoding's steps."""
-    from cache_format.prompts import domain_of
-
-    dom: dict[str, list[int]] = {}
-    for r in rows:
-        d = dom.setdefault(domain_of(_source(r["prompt"])), [0, 0])
-        d[0] += r["tf_anchor_sum"]
-        d[1] += r["tf_anchors"]
-    return {"tau_all_anchors": sum(r["tf_anchor_sum"] for r in rows) / max(1, sum(r["tf_anchors"] for r in rows)),
-            "anchors": sum(r["tf_anchors"] for r in rows),
-            "tau_all_anchors_by_domain": {k: v[0] / max(1, v[1]) for k, v in dom.items()},
-            "tau_chain": sum(r["new_tokens"] for r in rows) / max(1, sum(r["tf_chain_forwards"] for r in rows)),
-            "chain_equals_decode": sum(r["tf_chain_equals_decode"] for r in rows) / max(1, len(rows))}
-
-
-def _source(name: str) -> str:
-    """A prompt's source: "gsm8k/3" -> "gsm8k", "file.jsonl:7" -> "file.jsonl"."""
-    return name.rsplit(":", 1)[0] if ":" in name else name.split("/")[0]
-
-
-def _by_source(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """τ per prompt source ("gsm8k/3" -> "gsm8k", "file.jsonl:7" -> "file.jsonl"), token-weighted like the overall τ."""
-    acc: dict[str, list[int]] = {}
-    for r in rows:
-        a = acc.setdefault(_source(r["prompt"]), [0, 0, 0, 0])
-        a[0] += r["new_tokens"]
-        a[1] += r["target_forwards"]
-        a[2] += r["prompt_lookup_new_tokens"]
-        a[3] += r["prompt_lookup_target_forwards"]
-    from cache_format.prompts import domain_of
-
-    dom: dict[str, list[int]] = {}
-    for k, v in acc.items():
-        d = dom.setdefault(domain_of(k), [0, 0, 0, 0])
-        for i in range(4):
-            d[i] += v[i]
-    pl = any(v[3] for v in acc.values())  # prompt lookup was run (not with --no-prompt-lookup)
-    return {"tau_by_source": {k: v[0] / max(1, v[1]) for k, v in acc.items()},
-            "prompt_lookup_tau_by_source": {k: v[2] / max(1, v[3]) for k, v in acc.items()} if pl else None,
-            "tau_by_domain": {k: v[0] / max(1, v[1]) for k, v in dom.items()},
-            "prompt_lookup_tau_by_domain": {k: v[2] / max(1, v[3]) for k, v in dom.items()} if pl else None}
-
-
-def _plot(res: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    h = res["acceptance_histogram"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar([int(k) for k in h], list(h.values()))
-    ax.set_xlabel("tokens accepted per target forward (bonus included)")
-    ax.set_ylabel("target forwards")
-    pl = res["baseline_prompt_lookup_tau"]
-    ax.set_title(f"τ = {res['tau']:.2f} over {res['num_prompts']} prompts"
-                 + (f" (prompt lookup τ = {pl:.2f})" if pl is not None else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
 
 @click.command()
 @click.option("--run", default="", help="Training run directory (its checkpoint is evaluated).")
@@ -367,7 +261,7 @@ def main(as_json: bool, **kw) -> None:
         sys.exit(2)
     out = Path(kw["run"] or kw["export"])
     (out / "eval.json").write_text(json.dumps(res, indent=2))
-    _plot(res, out / "acceptance.png")
+    plot(res, out / "acceptance.png")
     if as_json:
         click.echo(json.dumps({k: v for k, v in res.items() if k != "prompts"}))
         return
@@ -378,6 +272,8 @@ def main(as_json: bool, **kw) -> None:
         click.echo(f"tau per response, drafting steps only (the DFlash benchmark's count) {res['tau_per_response']:.3f}")
     click.echo(f"lossless {res['lossless']} (checked in {res['lossless_dtype']}); speedup {res['speedup']:.2f}x "
                f"({res['tokens_per_s']:.1f} vs {res['baseline_tokens_per_s']:.1f} tok/s)")
+    click.echo(f"draft vocabulary coverage of the target's greedy tokens {res['draft_vocab_coverage']:.2%} ("
+               + ", ".join(f"{k} {v:.2%}" for k, v in res["draft_vocab_coverage_by_domain"].items()) + ")")
     pl = res["prompt_lookup_tau_by_domain"]
     if pl is not None:
         click.echo(f"prompt lookup: tau {res['baseline_prompt_lookup_tau']:.3f}, speedup "

@@ -78,6 +78,7 @@ def test_overfit_drafter_tau_above_one_and_lossless(trained):
     assert res["lossless"] is True and res["num_prompts"] == 6
     assert res["tau"] > 1.5, res
     assert sum(int(k) * v for k, v in res["acceptance_histogram"].items()) == res["new_tokens"]
+    assert res["draft_vocab_coverage"] == 1.0  # the whole vocabulary: no greedy token lies outside
     rows = json.loads((Path(run) / "eval.json").read_text())["prompts"]
     # per answer: the tokens after the prefill's first over the forwards after the prefill
     per = [(r["new_tokens"] - 1) / (r["target_forwards"] - 1) for r in rows if r["target_forwards"] > 1]
@@ -140,6 +141,25 @@ def test_replayed_decoding_tau_equals_real_decoding(trained):
     _assert_replay_equals_decoding(target, run)
 
 
+def _assert_vocab_coverage(target: str, prompts: str, run: str, ids: set[int], got: float) -> None:
+    """The reported coverage equals the share of the target's own greedy tokens (decoded here again,
+    prompt by prompt) that lie in the drafter's vocabulary `ids`."""
+    from cache_format.target import chat_ids, eos_ids, load_target
+    from train.eval import _answer_earlier_turns, _prompts
+    from train.spec_decode import target_generate
+
+    tgt = load_target(target, device=torch.device("cpu"), dtype=torch.float32)  # as train.eval decodes
+    eos = set(eos_ids(tgt.tokenizer, tgt.model))
+    inside = total = 0
+    for _, msgs in _prompts(prompts, 0):
+        msgs = _answer_earlier_turns(tgt.model, tgt.tokenizer, msgs, max_new_tokens=24, eos=eos)  # as train.eval
+        toks = target_generate(tgt.model, chat_ids(tgt.tokenizer, msgs), max_new_tokens=24, eos=eos).tokens
+        inside, total = inside + sum(t in ids for t in toks), total + len(toks)
+    assert total and abs(got - inside / total) < 1e-12, (got, inside, total)
+    rows = json.loads((Path(run) / "eval.json").read_text())["prompts"]
+    assert sum(r["greedy_tokens"] for r in rows) == total
+
+
 def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(trained, tmp_path):
     """--draft-vocab N: the drafter proposes only the N most frequent answer tokens (here fewer than
     the answers use, so some labels lie outside); its replayed τ equals real decoding, and the export
@@ -165,6 +185,7 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
     res = _eval(vr, prompts, "--export", str(out), "--no-prompt-lookup")
     assert res["lossless"] is True and res["export"]["lossless"] is True and res["export"]["tau"] > 1.3, res
     assert res["baseline_prompt_lookup_tau"] is None and res["prompt_lookup_tau_by_domain"] is None
+    _assert_vocab_coverage(target, prompts, vr, set(weights["draft_ids"].tolist()), res["draft_vocab_coverage"])
     text = CliRunner().invoke(eval_main, ["--run", vr, "--prompts", prompts, "--limit", "2", "--max-new-tokens", "8",
                                           "--no-prompt-lookup"])
     assert text.exit_code == 0 and "tau by domain" in text.output and "prompt lookup" not in text.output, text.output
@@ -298,7 +319,7 @@ def test_init_from_an_export_starts_where_the_exported_drafter_was(trained, tmp_
 
 
 def test_tau_by_source_is_token_weighted():
-    from train.eval import _by_source
+    from train.eval_report import by_source
 
     rows = [{"prompt": "gsm8k/0", "new_tokens": 30, "target_forwards": 10, "prompt_lookup_new_tokens": 30,
              "prompt_lookup_target_forwards": 20},
@@ -306,9 +327,20 @@ def test_tau_by_source_is_token_weighted():
              "prompt_lookup_target_forwards": 10},
             {"prompt": "HumanEval/0", "new_tokens": 12, "target_forwards": 12, "prompt_lookup_new_tokens": 12,
              "prompt_lookup_target_forwards": 6}]
-    got = _by_source(rows)
+    got = by_source(rows)
     assert got["tau_by_source"] == {"gsm8k": 2.0, "HumanEval": 1.0}  # 40/20, not the mean of 3.0 and 1.0
     assert got["prompt_lookup_tau_by_source"] == {"gsm8k": 40 / 30, "HumanEval": 2.0}
+
+
+def test_vocab_coverage_is_token_weighted_per_domain():
+    from train.eval_report import vocab_coverage
+
+    rows = [{"prompt": "gsm8k/0", "in_draft_vocab": 90, "greedy_tokens": 100},
+            {"prompt": "gsm8k/1", "in_draft_vocab": 10, "greedy_tokens": 10},
+            {"prompt": "chat/0", "in_draft_vocab": 0, "greedy_tokens": 10}]
+    got = vocab_coverage(rows)
+    assert got["draft_vocab_coverage"] == 100 / 120
+    assert got["draft_vocab_coverage_by_domain"] == {"math": 100 / 110, "chat": 0.0}
 
 
 def test_export_refuses_a_non_empty_out_unless_overwrite(trained, tmp_path):
