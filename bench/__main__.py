@@ -30,6 +30,7 @@ SUITES = {
     "worker": ("bench.worker_bench", "one DataLoader worker's seconds per micro-batch (CPU)"),
     "regen": ("bench.regen_bench", "regeneration engines side by side (static, HF generate, continuous batching)"),
     "openai": ("bench.openai_bench", "the openai engine against a local `transformers serve`"),
+    "vocab": ("bench.vocab_bench", "a draft vocabulary's coverage of the target's greedy answers, by size (CPU)"),
     "real-target": ("scripts/scale_run.sh", "the packaged target end to end: extract, train, eval (GPU machine)"),
 }
 

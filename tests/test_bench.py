@@ -45,3 +45,25 @@ def test_a_suite_runs_with_the_given_flags_over_its_file(tmp_path):
     assert _bench("list").returncode == 0
     bad = _bench("nope")
     assert bad.returncode == 2 and "unknown suite 'nope'" in bad.stderr
+
+
+def test_vocab_suite_counts_coverage_by_size(tmp_path):
+    from tests.helpers import tiny_target_dir, write_chats
+
+    target = tiny_target_dir(tmp_path / "t")
+    data = write_chats(tmp_path / "d.jsonl", 20)
+    out = tmp_path / "v.json"
+    p = _bench("vocab", "--data", data, "--every", "1", "--target", target, "--limit", "3", "--max-new-tokens", "8",
+               "--sizes", "5,40,320", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    rows = [res["sizes"][s] for s in ("5", "40", "320")]
+    assert sum(res["greedy_tokens"].values()) > 0 and res["answers_counted"] == 20
+    for key in rows[0]:  # a larger vocabulary holds at least what a smaller one does; the whole one holds all
+        assert 0.0 <= rows[0][key] <= rows[1][key] <= rows[2][key] == 1.0, (key, rows)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\nnot json\n')
+    p = _bench("vocab", "--data", str(bad), "--every", "1", "--target", target, "--limit", "1", "--sizes", "5")
+    assert p.returncode != 0 and f"{bad}:2: not a JSON record" in p.stderr and "Traceback" not in p.stderr
+    p = _bench("vocab", "--data", data, "--target", target, "--sizes", "5,321")
+    assert p.returncode != 0 and "--sizes 5,321: each must be in 1..320" in p.stderr and "Traceback" not in p.stderr
