@@ -15,6 +15,7 @@
 # Settings (environment): VARIANTS ("name:train options" separated by ';'), STORE, W (work dir,
 # default /root/cmp), STEPS (cosine length, default 900), TLIM (seconds each may train, 420), VAL
 # (held-out samples, 500), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
+# EVAL_ARGS (more train.eval options, e.g. --no-prompt-lookup: a third less evaluation time),
 # GGUF (the target for eval; default: the run's).
 set -uo pipefail
 stage=$1
@@ -40,8 +41,9 @@ train_one() {
     --val-every 300 --checkpoint-every 300 --workers "${WORKERS:-3}" --compile $args
 }
 eval_one() {
+  # shellcheck disable=SC2086
   python3 -m train.eval --run "$W/$name" --limit "${EVAL_LIMIT:-48}" --max-new-tokens "${TOKENS:-96}" --json \
-    "${TARGET[@]}"
+    "${TARGET[@]}" ${EVAL_ARGS:-}
 }
 case $stage in
 train) run_all train_one
@@ -57,7 +59,8 @@ eval) run_all eval_one
     tail -n 1 "$W/$name.eval.log" | python3 -c 'import json,sys
 try: r = json.loads(sys.stdin.read())
 except ValueError: print("no result"); sys.exit()
-print(sys.argv[1], {k: r[k] for k in ("tau", "lossless", "speedup", "tau_by_domain", "checkpoint")})' "$name"
+print(sys.argv[1], {k: r.get(k) for k in ("tau", "tau_per_response", "lossless", "speedup", "tau_by_domain",
+                                         "draft_vocab_coverage", "checkpoint")})' "$name"
   done;;
 pack)
   out=${OUT:-/tmp/out}; mkdir -p "$out"
