@@ -171,7 +171,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
         bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{tau_so_far(r):.2f}" for k, r in rows.items()})
     bar.close()
     res = {which: summary(rows[which], hist[which], t, which, drafters[which], model, device,
-                           prompt_lookup=prompt_lookup, teacher_forced=teacher_forced, cuda_graph=cuda_graph)
+                          prompt_lookup=prompt_lookup, teacher_forced=teacher_forced, cuda_graph=cuda_graph)
            for which in drafters}
     if "checkpoint" in res:
         out = {**res["checkpoint"], "checkpoint": ck}

@@ -31,9 +31,8 @@ class Tally:
     pl_tokens: int = 0
 
 
-
 def summary(r: list[dict[str, Any]], hist: Counter, t: Tally, which: str, drafter, model, device, *,
-             prompt_lookup: bool, teacher_forced: bool, cuda_graph: bool) -> dict[str, Any]:
+            prompt_lookup: bool, teacher_forced: bool, cuda_graph: bool) -> dict[str, Any]:
     """One drafter's figures over its prompt rows `r` (the JSON contract of train.eval)."""
     new_tokens, spec_fw = sum(x["new_tokens"] for x in r), sum(x["target_forwards"] for x in r)
     return {
@@ -66,8 +65,6 @@ def summary(r: list[dict[str, Any]], hist: Counter, t: Tally, which: str, drafte
 def tau_so_far(rows: list[dict[str, Any]]) -> float:
     """τ over the prompts so far: new tokens per target forward, token-weighted."""
     return sum(r["new_tokens"] for r in rows) / max(1, sum(r["target_forwards"] for r in rows))
-
-
 
 
 def vocab_coverage(rows: list[dict[str, Any]]) -> dict[str, Any]:
