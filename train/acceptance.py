@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from cache_format.target import capture
 
-__all__ = ["decode_chain", "leading_matches", "per_response_tau", "teacher_forced_accepts"]
+__all__ = ["decode_chain", "leading_matches", "per_response_tau", "teacher_forced_accepts", "vocab_rejections"]
 
 
 def leading_matches(draft: list[int], truth: list[int]) -> int:
@@ -60,6 +60,26 @@ def per_response_tau(accepted: list[list[int]]) -> float | None:
     over all responses, prefill included), which weighs long responses and counts every forward."""
     per = [sum(a[1:]) / (len(a) - 1) for a in accepted if len(a) > 1]
     return sum(per) / len(per) if per else None
+
+
+def vocab_rejections(accepted: list[int], new: list[int], vocab: set[int] | None, block_size: int) -> tuple[int, int]:
+    """(rejections, those at a token outside `vocab`) of one decoded response.
+
+    accepted: tokens per target forward as `spec_generate` returns them (the prefill's first); new:
+    the response's tokens. A drafting step that emits a < block_size tokens stopped at a rejected
+    draft, and its last token is the target's own choice there; when that token lies outside the
+    draft vocabulary (None: the target's whole, nothing outside) the drafter could not have proposed
+    it. The response's last step is left out
+    (an end token or the length cap cuts it, not a rejection).
+    """
+    rejections = outside = 0
+    pos = accepted[0] if accepted else 0
+    for a in accepted[1:-1]:
+        if a < block_size:
+            rejections += 1
+            outside += vocab is not None and new[pos + a - 1] not in vocab
+        pos += a
+    return rejections, outside
 
 
 @torch.inference_mode()

@@ -29,7 +29,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from train.acceptance import decode_chain, teacher_forced_accepts
+from train.acceptance import decode_chain, teacher_forced_accepts, vocab_rejections
 from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.eval_report import Tally, plot, summary, tau_so_far
 from train.export import hf_drafter
@@ -162,6 +162,8 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
                                 "accepted": spec["accepted"], "greedy_tokens": len(base.tokens),
                                 "in_draft_vocab": len(base.tokens) if vocab[which] is None
                                 else sum(x in vocab[which] for x in base.tokens)})
+            rej = vocab_rejections(spec["accepted"], new, vocab[which], drafter.block_size)
+            rows[which][-1].update(rejections=rej[0], rejections_outside_vocab=rej[1])
             if teacher_forced:
                 rows[which][-1].update(_teacher_forced_row(drafter, model, ids, base.tokens, spec["accepted"]))
         pl_new, pl_fw = _prompt_lookup(model, tok, ids, t, max_new_tokens=max_new_tokens, eos=eos) if prompt_lookup \
@@ -273,7 +275,8 @@ def main(as_json: bool, **kw) -> None:
     click.echo(f"lossless {res['lossless']} (checked in {res['lossless_dtype']}); speedup {res['speedup']:.2f}x "
                f"({res['tokens_per_s']:.1f} vs {res['baseline_tokens_per_s']:.1f} tok/s)")
     click.echo(f"draft vocabulary coverage of the target's greedy tokens {res['draft_vocab_coverage']:.2%} ("
-               + ", ".join(f"{k} {v:.2%}" for k, v in res["draft_vocab_coverage_by_domain"].items()) + ")")
+               + ", ".join(f"{k} {v:.2%}" for k, v in res["draft_vocab_coverage_by_domain"].items())
+               + f"); rejections at a token outside it {res['rejections_outside_vocab']:.2%}")
     pl = res["prompt_lookup_tau_by_domain"]
     if pl is not None:
         click.echo(f"prompt lookup: tau {res['baseline_prompt_lookup_tau']:.3f}, speedup "

@@ -70,7 +70,8 @@ def tau_so_far(rows: list[dict[str, Any]]) -> float:
 def vocab_coverage(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The share of the target's greedy tokens that the drafter's vocabulary holds, overall and per
     domain: a token outside it is a certain miss, so this caps τ where the prompts bring words the
-    training answers lacked (a draft vocabulary's coverage of its own training answers reads higher)."""
+    training answers lacked (a draft vocabulary's coverage of its own training answers reads higher);
+    and the share of rejections that fell on such a token."""
     from cache_format.prompts import domain_of
 
     dom: dict[str, list[int]] = {}
@@ -78,8 +79,15 @@ def vocab_coverage(rows: list[dict[str, Any]]) -> dict[str, Any]:
         d = dom.setdefault(domain_of(source_of(r["prompt"])), [0, 0])
         d[0], d[1] = d[0] + r["in_draft_vocab"], d[1] + r["greedy_tokens"]
     share = lambda v: v[0] / max(1, v[1])  # noqa: E731
+    rej: dict[str, list[int]] = {}
+    for r in rows:
+        d = rej.setdefault(domain_of(source_of(r["prompt"])), [0, 0])
+        d[0], d[1] = d[0] + r["rejections_outside_vocab"], d[1] + r["rejections"]
     return {"draft_vocab_coverage": share([sum(r["in_draft_vocab"] for r in rows), sum(r["greedy_tokens"] for r in rows)]),
-            "draft_vocab_coverage_by_domain": {k: share(v) for k, v in dom.items()}}
+            "draft_vocab_coverage_by_domain": {k: share(v) for k, v in dom.items()},
+            # of the drafting steps that ended on a rejected draft, the share whose token the drafter could not propose
+            "rejections_outside_vocab": share([sum(v[0] for v in rej.values()), sum(v[1] for v in rej.values())]),
+            "rejections_outside_vocab_by_domain": {k: share(v) for k, v in rej.items()}}
 
 
 def teacher_forced_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from train.acceptance import decode_chain, leading_matches, per_response_tau
+from train.acceptance import decode_chain, leading_matches, per_response_tau, vocab_rejections
 
 
 def _decode_like_spec_generate(accepts: list[int], new_tokens: int) -> list[int]:
@@ -55,3 +55,21 @@ def test_per_response_tau_counts_drafting_steps_per_response():
     # a long response does not outweigh a short one, and the prefill's single token is not a step
     assert per_response_tau([[1, 4, 4, 4, 4], [1, 2]]) == 3.0
     assert per_response_tau([[1], [1]]) is None
+
+
+def test_vocab_rejections_counts_the_steps_that_stop_on_a_token_outside():
+    rng = random.Random(2)
+    for _ in range(300):
+        n, bs = rng.randint(1, 50), rng.choice([2, 4, 8])
+        accepted = _decode_like_spec_generate([min(rng.randint(0, bs - 1), n - 1 - j) for j in range(n)], n)
+        new = [rng.randrange(20) for _ in range(n)]
+        vocab = set(rng.sample(range(20), 12))
+        ends = [sum(accepted[: i + 1]) for i in range(len(accepted))]  # tokens emitted through step i
+        want = [0, 0]
+        for i in range(1, len(accepted) - 1):  # drafting steps, the last one left out
+            if accepted[i] < bs:  # fewer than bs - 1 drafts accepted: its last token is the target's own
+                want[0] += 1
+                want[1] += new[ends[i] - 1] not in vocab
+        assert vocab_rejections(accepted, new, vocab, bs) == tuple(want)
+        assert vocab_rejections(accepted, new, None, bs) == (want[0], 0)
+    assert vocab_rejections([1, 2, 4, 1], [5, 6, 7, 8, 9, 10, 11, 12], {5}, 4) == (1, 1)  # step [6, 7] stops on 7

@@ -79,6 +79,7 @@ def test_overfit_drafter_tau_above_one_and_lossless(trained):
     assert res["tau"] > 1.5, res
     assert sum(int(k) * v for k, v in res["acceptance_histogram"].items()) == res["new_tokens"]
     assert res["draft_vocab_coverage"] == 1.0  # the whole vocabulary: no greedy token lies outside
+    assert res["rejections_outside_vocab"] == 0.0
     rows = json.loads((Path(run) / "eval.json").read_text())["prompts"]
     # per answer: the tokens after the prefill's first over the forwards after the prefill
     per = [(r["new_tokens"] - 1) / (r["target_forwards"] - 1) for r in rows if r["target_forwards"] > 1]
@@ -186,6 +187,10 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
     assert res["lossless"] is True and res["export"]["lossless"] is True and res["export"]["tau"] > 1.3, res
     assert res["baseline_prompt_lookup_tau"] is None and res["prompt_lookup_tau_by_domain"] is None
     _assert_vocab_coverage(target, prompts, vr, set(weights["draft_ids"].tolist()), res["draft_vocab_coverage"])
+    rows = json.loads((Path(vr) / "eval.json").read_text())["prompts"]
+    assert 0 <= sum(r["rejections_outside_vocab"] for r in rows) <= sum(r["rejections"] for r in rows)
+    assert res["rejections_outside_vocab"] == sum(r["rejections_outside_vocab"] for r in rows) / max(
+        1, sum(r["rejections"] for r in rows))
     text = CliRunner().invoke(eval_main, ["--run", vr, "--prompts", prompts, "--limit", "2", "--max-new-tokens", "8",
                                           "--no-prompt-lookup"])
     assert text.exit_code == 0 and "tau by domain" in text.output and "prompt lookup" not in text.output, text.output
@@ -335,12 +340,14 @@ def test_tau_by_source_is_token_weighted():
 def test_vocab_coverage_is_token_weighted_per_domain():
     from train.eval_report import vocab_coverage
 
-    rows = [{"prompt": "gsm8k/0", "in_draft_vocab": 90, "greedy_tokens": 100},
-            {"prompt": "gsm8k/1", "in_draft_vocab": 10, "greedy_tokens": 10},
-            {"prompt": "chat/0", "in_draft_vocab": 0, "greedy_tokens": 10}]
+    rows = [{"prompt": "gsm8k/0", "in_draft_vocab": 90, "greedy_tokens": 100, "rejections": 30, "rejections_outside_vocab": 3},
+            {"prompt": "gsm8k/1", "in_draft_vocab": 10, "greedy_tokens": 10, "rejections": 10, "rejections_outside_vocab": 0},
+            {"prompt": "chat/0", "in_draft_vocab": 0, "greedy_tokens": 10, "rejections": 5, "rejections_outside_vocab": 5}]
     got = vocab_coverage(rows)
     assert got["draft_vocab_coverage"] == 100 / 120
     assert got["draft_vocab_coverage_by_domain"] == {"math": 100 / 110, "chat": 0.0}
+    assert got["rejections_outside_vocab"] == 8 / 45
+    assert got["rejections_outside_vocab_by_domain"] == {"math": 3 / 40, "chat": 1.0}
 
 
 def test_export_refuses_a_non_empty_out_unless_overwrite(trained, tmp_path):
