@@ -49,9 +49,12 @@ def from_export_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k.replace(".self_attn.", ".").replace(".mlp.", "."): v for k, v in state.items()}
 
 
-def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False) -> Path:
+def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False, whole_head: bool = False) -> Path:
     """Write the run's chosen checkpoint to `out`; a non-empty `out` is refused unless `overwrite`
-    (files of another export beside ours would be served with it).
+    (files of another export beside ours would be served with it). `whole_head`: a drafter trained
+    with a draft vocabulary is exported to draft from the target's whole lm_head (no draft_ids):
+    its head is the target's own, and drafting over every row decoded better than over the trained
+    subset (docs/benchmarks/2026-12-03_vocab-coverage_cpu.md); servers then need no draft-vocabulary path.
 
     Nothing is deleted before its replacement is complete: the checkpoint is read and checked
     first, the export is written beside `out` (`.NAME.partial`) and swapped in by renames, and only
@@ -66,6 +69,9 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
     if occupied and not overwrite:
         raise ValueError(f"{out}: exists and is not empty; pass --overwrite to replace it, or another --out")
     weights, _, state = load_checkpoint(resolve_checkpoint(run, checkpoint))
+    if whole_head:
+        state = {**state, "drafter": {**state["drafter"], "draft_vocab_size": 0}}
+        weights = {k: v for k, v in weights.items() if k != "draft_ids"}
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
         raise ValueError(f"{run}: the checkpoint's {bad[0]} holds NaN or inf (a diverged run); not exported")
@@ -182,10 +188,12 @@ def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[st
 @click.option("--checkpoint", default="", help="'best', 'latest' or a checkpoint directory [default: best if the "
               "run validated, else latest].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
-def main(run: str, out: str, checkpoint: str, overwrite: bool) -> None:
+@click.option("--whole-head", is_flag=True, help="A drafter trained with --draft-vocab drafts from the target's whole "
+              "lm_head when served (no draft_ids in the export).")
+def main(run: str, out: str, checkpoint: str, overwrite: bool, whole_head: bool) -> None:
     """Export a trained drafter for SGLang / vLLM (z-lab DFlash layout)."""
     try:
-        dst = export_run(run, out, checkpoint, overwrite=overwrite)
+        dst = export_run(run, out, checkpoint, overwrite=overwrite, whole_head=whole_head)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"exported to {dst}")

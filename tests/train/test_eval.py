@@ -191,6 +191,15 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
     assert 0 <= sum(r["rejections_outside_vocab"] for r in rows) <= sum(r["rejections"] for r in rows)
     assert res["rejections_outside_vocab"] == sum(r["rejections_outside_vocab"] for r in rows) / max(
         1, sum(r["rejections"] for r in rows))
+    # served from the target's whole lm_head: no draft_ids, still lossless
+    whole = export_run(vr, str(tmp_path / "whole"), whole_head=True)
+    assert json.loads((whole / "config.json").read_text())["draft_vocab_size"] == 0
+    from safetensors import safe_open
+
+    with safe_open(str(whole / "model.safetensors"), "pt") as f:
+        assert "draft_ids" not in set(f.keys())
+    res = _eval(vr, prompts, "--export", str(whole), "--no-prompt-lookup")
+    assert res["export"]["lossless"] is True and res["export"]["draft_vocab_coverage"] == 1.0, res["export"]
     text = CliRunner().invoke(eval_main, ["--run", vr, "--prompts", prompts, "--limit", "2", "--max-new-tokens", "8",
                                           "--no-prompt-lookup"])
     assert text.exit_code == 0 and "tau by domain" in text.output and "prompt lookup" not in text.output, text.output
