@@ -74,20 +74,19 @@ def vocab_coverage(rows: list[dict[str, Any]]) -> dict[str, Any]:
     and the share of rejections that fell on such a token."""
     from cache_format.prompts import domain_of
 
-    dom: dict[str, list[int]] = {}
+    keys = ("in_draft_vocab", "greedy_tokens", "rejections_outside_vocab", "rejections")
+    dom: dict[str, list[int]] = {}  # per domain, the sums of `keys`
     for r in rows:
-        d = dom.setdefault(domain_of(source_of(r["prompt"])), [0, 0])
-        d[0], d[1] = d[0] + r["in_draft_vocab"], d[1] + r["greedy_tokens"]
-    share = lambda v: v[0] / max(1, v[1])  # noqa: E731
-    rej: dict[str, list[int]] = {}
-    for r in rows:
-        d = rej.setdefault(domain_of(source_of(r["prompt"])), [0, 0])
-        d[0], d[1] = d[0] + r["rejections_outside_vocab"], d[1] + r["rejections"]
-    return {"draft_vocab_coverage": share([sum(r["in_draft_vocab"] for r in rows), sum(r["greedy_tokens"] for r in rows)]),
-            "draft_vocab_coverage_by_domain": {k: share(v) for k, v in dom.items()},
+        d = dom.setdefault(domain_of(source_of(r["prompt"])), [0] * len(keys))
+        for i, k in enumerate(keys):
+            d[i] += r[k]
+    tot = [sum(v[i] for v in dom.values()) for i in range(len(keys))]
+    share = lambda a, b: a / max(1, b)  # noqa: E731
+    return {"draft_vocab_coverage": share(tot[0], tot[1]),
+            "draft_vocab_coverage_by_domain": {k: share(v[0], v[1]) for k, v in dom.items()},
             # of the drafting steps that ended on a rejected draft, the share whose token the drafter could not propose
-            "rejections_outside_vocab": share([sum(v[0] for v in rej.values()), sum(v[1] for v in rej.values())]),
-            "rejections_outside_vocab_by_domain": {k: share(v) for k, v in rej.items()}}
+            "rejections_outside_vocab": share(tot[2], tot[3]),
+            "rejections_outside_vocab_by_domain": {k: share(v[2], v[3]) for k, v in dom.items()}}
 
 
 def teacher_forced_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
