@@ -183,7 +183,8 @@ def test_gpu_graphs_per_span_equal_generate(tmp_path):
 
 
 def test_flash_attention_is_refused_where_it_cannot_run(tmp_path):
-    """attention='flash' on the CPU (or in float32) stops in one line; 'auto' falls back to matmuls."""
+    """attention='flash' on the CPU (or in float32) stops in one line; 'auto' falls back to matmuls,
+    the default."""
     from extract.regenerate.static_engine import flash_unsupported
 
     model = _model(tmp_path, "llama")
@@ -193,6 +194,7 @@ def test_flash_attention_is_refused_where_it_cannot_run(tmp_path):
         StaticEngine(model, batch=2, max_new_tokens=4, eos=[], attention="flash")
     with pytest.raises(ValueError, match="attention must be"):
         StaticEngine(model, batch=2, max_new_tokens=4, eos=[], attention="sdpa")
+    assert not StaticEngine(model, batch=2, max_new_tokens=4, eos=[], attention="auto").flash
     assert not StaticEngine(model, batch=2, max_new_tokens=4, eos=[]).flash
 
 
