@@ -183,7 +183,9 @@ class StaticEngine:
         # [B * Hkv]: the cache slot (row b, position pos[b], kv head h) in the flattened cache
         flat = ((self.rows[:, None] * self.capacity + self.pos[:, None]) * self.kv_heads + heads[None]).reshape(-1)
         if self.flash:
-            used = (self.pos + 1).to(torch.int32)  # [B]: positions each row has written, this step's included
+            # [B]: positions each live row has written, this step's included; a finished row waiting for
+            # a refill or a compaction reads one position instead of its whole answer
+            used = torch.where(self.live, self.pos + 1, 1).to(torch.int32)
         else:
             hidden = (self.slots[None, :span] > self.pos[:, None])[:, None, None, :]  # [B, 1, 1, span]: not yet written
 
