@@ -198,6 +198,41 @@ def test_flash_attention_is_refused_where_it_cannot_run(tmp_path):
     assert not StaticEngine(model, batch=2, max_new_tokens=4, eos=[]).flash
 
 
+def _packed_attention_loop(q, kc, vc, cu_q, cu_k, used, span, scale):
+    """flash_decode's contract by a loop: row b's query against keys [cu_k[b], cu_k[b] + used[b]) of
+    the packed [B * S, Hkv, D] cache, each kv head shared by its group of query heads."""
+    B, S, Hkv, D = kc.shape
+    kf, vf, G = kc.reshape(B * S, Hkv, D), vc.reshape(B * S, Hkv, D), q.shape[1] // Hkv
+    assert int(used.max()) <= span and cu_q.tolist() == list(range(B + 1))
+    out = torch.empty_like(q)
+    for b in range(B):
+        keys = slice(int(cu_k[b]), int(cu_k[b]) + int(used[b]))
+        for h in range(q.shape[1]):
+            w = torch.softmax((kf[keys, h // G] @ q[b, h]).float() * scale, dim=0).to(q.dtype)
+            out[b, h] = w @ vf[keys, h // G]
+    return out
+
+
+def test_flash_path_plumbing_equals_generate(tmp_path, monkeypatch):
+    """The flash path's packed offsets, used lengths and token-major cache, with the kernel replaced
+    by a loop of the same contract (the kernel itself runs on CUDA only): float32 tokens equal
+    generate's while rows are refilled, spans grow and the batch compacts."""
+    import extract.regenerate.static_engine as se
+
+    model = _model(tmp_path, "llama")
+    monkeypatch.setattr(se, "flash_decode", _packed_attention_loop)
+    prompts = _prompts(14) + _prompts(14, seed=1, lo=60, hi=90)  # as the first test: the same three paths
+    eng = StaticEngine(model, batch=12, max_new_tokens=24, eos=[2], sync_every=3, prefill_tokens=40)
+    eng.flash = True
+    got = dict(eng.generate([Request(i, p, i) for i, p in enumerate(prompts)]))
+    assert eng.stats["allocations"] >= 2 and eng.stats["compactions"] >= 1 and eng.stats["prefills"] > 2
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=[2],
+                                 pad_token_id=0)[0, len(p):].tolist()
+        assert got[i] == ref, f"request {i}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_flash_decode_equals_a_dense_loop():
