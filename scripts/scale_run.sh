@@ -18,7 +18,8 @@
 # dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the 100K file to extract,
 # default: as many as fit in /dev/shm and memory beside the formats answers), STEPS (cosine length, default 7000), LR (6e-4),
 # TLIM (seconds this call may train: train's --time-limit, default 480), EXTRACT_ARGS (more extract
-# options, e.g. "--dtype mxfp4"), EXPORT_ARGS (the eval stage's export options, default --whole-head;
+# options, e.g. "--dtype mxfp4"), CUT_LOOPS (1: cut each answer where it starts repeating itself,
+# extract.regenerate.loops, before extraction), EXPORT_ARGS (the eval stage's export options, default --whole-head;
 # "" keeps the draft vocabulary), VERIFY (train's
 # --verify-shards: on (default), off or auto), TRAIN_ARGS (more train options, e.g. "--num-layers 8
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
@@ -67,6 +68,9 @@ PY
   echo "extracting a share of $frac of the 100K samples, ${#extra[@]} formats files whole ($(df -h --output=avail "$(dirname "$STORE")" | tail -n 1) free)"
   { gunzip -c "$DATA" | awk -v f="$frac" '(NR - 1) % 100 < f * 100'; [ ${#extra[@]} -gt 0 ] && cat "${extra[@]}"; } > "$W/train.jsonl"
   wc -l < "$W/train.jsonl"
+  if [ "${CUT_LOOPS:-0}" = 1 ]; then  # answers cut where they start repeating (extract.regenerate.loops)
+    python3 -m extract.regenerate.loops --data "$W/train.jsonl" --out "$W/train_cut.jsonl" && mv "$W/train_cut.jsonl" "$W/train.jsonl"
+  fi
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "$STORE" --data "$W/train.jsonl" \
     "${TARGET[@]}" ${EXTRACT_ARGS:-} --json 2>&1 | grep -v "tok/s]" | tail -n 20
   python3 -m cache_format inspect "$STORE" | head -n 30;;

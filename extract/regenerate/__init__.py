@@ -23,5 +23,6 @@ builds the default math + code + chat dataset (recipe.py).
 Modules: answers (the library: `regenerate`), __main__ (the command line), config (RegenConfig),
 static_engine and openai_client (the two ways answers are generated: in process, or by requests to
 OpenAI-compatible servers), local_server (a `transformers serve` for tests and benches), sampling,
-dedup, turns (multi-turn bookkeeping) and recipe (the default dataset).
+dedup, loops (answers cut where they start repeating themselves), turns (multi-turn bookkeeping) and
+recipe (the default dataset).
 """
