@@ -19,8 +19,8 @@
 # default: as many as fit in /dev/shm and memory beside the formats answers), STEPS (cosine length, default 7000), LR (6e-4),
 # TLIM (seconds this call may train: train's --time-limit, default 480), EXTRACT_ARGS (more extract
 # options, e.g. "--dtype mxfp4"), CUT_LOOPS (1: cut each answer where it starts repeating itself,
-# extract.regenerate.loops, before extraction), EXPORT_ARGS (the eval stage's export options, default --whole-head;
-# "" keeps the draft vocabulary), VERIFY (train's
+# extract.regenerate.loops, before extraction), EXPORT_ARGS (the eval stage's export options, e.g.
+# --draft-head: drafting from the draft vocabulary only, not the target's whole lm_head), VERIFY (train's
 # --verify-shards: on (default), off or auto), TRAIN_ARGS (more train options, e.g. "--num-layers 8
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
 # with DIR its rejoined export), FORMAT_LIMIT and OPEN (the formats stage's completion prompts, default
@@ -88,11 +88,10 @@ train)
 eval)  # the export as served (bf16 weights through AutoModel) of the best checkpoint; EVAL_ARGS: more
   # train.eval options, e.g. --no-prompt-lookup (the second baseline is a third of the time); EVAL_TOKENS: new
   # tokens per answer (96: the goal's figures; longer answers of the small target loop, which inflates τ)
-  # the export drafts from the target's whole lm_head (EXPORT_ARGS, default --whole-head): a drafter trained
-  # on the 12,288-token draft vocabulary decodes +0.017 τ so on the H200 (docs/BENCHMARKS.md); pack's export
-  # keeps the trained subset, as --init-from needs it
+  # the export drafts from the target's whole lm_head (train.export's default): a drafter trained on the
+  # 12,288-token draft vocabulary decodes +0.017 τ so on the H200 (docs/BENCHMARKS.md)
   # shellcheck disable=SC2086
-  python3 -m train.export --run "$RUN" --out "$W/export" --overwrite ${EXPORT_ARGS---whole-head} > /dev/null || exit 1
+  python3 -m train.export --run "$RUN" --out "$W/export" --overwrite ${EXPORT_ARGS:-} > /dev/null || exit 1
   python3 -m train.eval --export "$W/export" --limit "${EVAL_LIMIT:-48}" --max-new-tokens "${EVAL_TOKENS:-96}" --json "${TARGET[@]}" \
     ${EVAL_ARGS:-} 2>&1 | tail -n 1 | cut -c1-2000
   cp "$W/export/eval.json" "$RUN/eval.json";;

@@ -49,12 +49,14 @@ def from_export_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k.replace(".self_attn.", ".").replace(".mlp.", "."): v for k, v in state.items()}
 
 
-def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False, whole_head: bool = False) -> Path:
+def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False, whole_head: bool = True) -> Path:
     """Write the run's chosen checkpoint to `out`; a non-empty `out` is refused unless `overwrite`
     (files of another export beside ours would be served with it). `whole_head`: a drafter trained
     with a draft vocabulary is exported to draft from the target's whole lm_head (no draft_ids):
     its head is the target's own, and drafting over every row decoded better than over the trained
-    subset (docs/benchmarks/2026-12-03_vocab-coverage_cpu.md); servers then need no draft-vocabulary path.
+    subset (on the H200 τ 2.201 vs 2.184, docs/benchmarks/2026-12-03_vocab-size_h200.md); servers then
+    need no draft-vocabulary path, and `--init-from` takes it for a run with any draft vocabulary.
+    False keeps the draft vocabulary (`draft_ids`, config `draft_vocab_size`).
 
     Nothing is deleted before its replacement is complete: the checkpoint is read and checked
     first, the export is written beside `out` (`.NAME.partial`) and swapped in by renames, and only
@@ -174,7 +176,10 @@ def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[st
     except Exception as e:  # noqa: BLE001 - json, safetensors and the config raise their own types
         raise ValueError(f"--init-from {path}: unreadable export ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    diffs = [f"{k} {v} vs {getattr(dc, k)}" for k, v in theirs.to_dict().items() if v != getattr(dc, k)]
+    # a whole-head export (draft_vocab_size 0, no draft_ids) starts a run with any draft vocabulary:
+    # its head is the target's, and the run takes its own rows of it
+    diffs = [f"{k} {v} vs {getattr(dc, k)}" for k, v in theirs.to_dict().items()
+             if v != getattr(dc, k) and not (k == "draft_vocab_size" and v == 0)]
     if list(their_ids) != list(layer_ids):
         diffs.append(f"taps {list(their_ids)} vs {list(layer_ids)}")
     if diffs:
@@ -188,8 +193,9 @@ def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[st
 @click.option("--checkpoint", default="", help="'best', 'latest' or a checkpoint directory [default: best if the "
               "run validated, else latest].")
 @click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
-@click.option("--whole-head", is_flag=True, help="A drafter trained with --draft-vocab drafts from the target's whole "
-              "lm_head when served (no draft_ids in the export).")
+@click.option("--whole-head/--draft-head", default=True, show_default=True,
+              help="A drafter trained with --draft-vocab drafts from the target's whole lm_head when served (no "
+              "draft_ids in the export), or from its draft vocabulary only (--draft-head).")
 def main(run: str, out: str, checkpoint: str, overwrite: bool, whole_head: bool) -> None:
     """Export a trained drafter for SGLang / vLLM (z-lab DFlash layout)."""
     try:

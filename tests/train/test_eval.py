@@ -181,7 +181,7 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
     assert weights["draft_ids"].shape == (n,) and state["drafter"]["draft_vocab_size"] == n
     assert 0.9 < state["draft_vocab_coverage"] < 1.0 and len(answers) > 100
     _assert_replay_equals_decoding(target, vr)
-    out = export_run(vr, str(tmp_path / "exp"))
+    out = export_run(vr, str(tmp_path / "exp"), whole_head=False)
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == n
     res = _eval(vr, prompts, "--export", str(out), "--no-prompt-lookup")
     assert res["lossless"] is True and res["export"]["lossless"] is True and res["export"]["tau"] > 1.3, res
@@ -191,8 +191,8 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
     assert 0 <= sum(r["rejections_outside_vocab"] for r in rows) <= sum(r["rejections"] for r in rows)
     assert res["rejections_outside_vocab"] == sum(r["rejections_outside_vocab"] for r in rows) / max(
         1, sum(r["rejections"] for r in rows))
-    # served from the target's whole lm_head: no draft_ids, still lossless
-    whole = export_run(vr, str(tmp_path / "whole"), whole_head=True)
+    # served from the target's whole lm_head (the default export): no draft_ids, still lossless
+    whole = export_run(vr, str(tmp_path / "whole"))
     assert json.loads((whole / "config.json").read_text())["draft_vocab_size"] == 0
     from safetensors import safe_open
 
@@ -200,6 +200,13 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
         assert "draft_ids" not in set(f.keys())
     res = _eval(vr, prompts, "--export", str(whole), "--no-prompt-lookup")
     assert res["export"]["lossless"] is True and res["export"]["draft_vocab_coverage"] == 1.0, res["export"]
+    # it starts a run on a draft vocabulary again (--init-from); the draft-head export a whole-vocabulary run not
+    kw = dict(store=store, num_layers=2, block_size=4, num_anchors=64, epochs=10, max_steps=1, token_budget=2048,
+              lr=3e-3, log_every=1, workers=0)
+    train(TrainConfig(out=str(tmp_path / "again"), init_from=str(whole), draft_vocab=n, **kw))
+    assert _losses(tmp_path / "again")[0] < 2 * _losses(vr)[-1] + 0.5
+    with pytest.raises(ValueError, match=f"draft_vocab_size {n} vs 0"):
+        train(TrainConfig(out=str(tmp_path / "full"), init_from=str(out), **kw))
     text = CliRunner().invoke(eval_main, ["--run", vr, "--prompts", prompts, "--limit", "2", "--max-new-tokens", "8",
                                           "--no-prompt-lookup"])
     assert text.exit_code == 0 and "tau by domain" in text.output and "prompt lookup" not in text.output, text.output
