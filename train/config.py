@@ -16,6 +16,8 @@ LOSS_BACKWARDS = ("fused", "recompute", "keep")
 GRAD_REDUCES = ("fp32", "bf16")
 # Per-slot loss weights (train.losses.Weighting): the fixed decay, or each slot's share of the batch's acceptance.
 POSITION_WEIGHTS = ("decay", "reach")
+# The soft-label term of --loss kl and mix (train.losses): forward KL, or total variation.
+DIVERGENCES = ("kl", "tv")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -37,9 +39,14 @@ class TrainConfig:
     gamma: float = 0.0
     """Loss decay exp(-(k-1)/gamma); 0 = 7 for block 16, 5 for 10, 4 for 8."""
     loss: str = "ce"
-    """ce, kl (forward KL to the target's distribution from the stored final state) or mix."""
+    """ce, kl (a divergence from the target's distribution, read from the stored final state: see
+    divergence) or mix (CE and that divergence)."""
     kl_weight: float = 0.5
-    """Weight of KL in mix."""
+    """Weight of the divergence in mix (CE gets 1 - kl_weight)."""
+    divergence: str = "kl"
+    """The soft term of kl and mix: kl (forward KL(target || drafter)) or tv (total variation,
+    0.5 * sum |target - drafter|: one minus the chance that a draft token sampled from the drafter
+    is accepted when verification samples from the target)."""
     position_weights: str = "decay"
     """Loss weight of block slot k: decay (exp(-(k-1)/gamma), DFlash Eq. 4) or reach (the tokens
     decoding accepts at slot k or later, measured on the step's own predictions: train.replay)."""
@@ -152,6 +159,8 @@ class TrainConfig:
             raise ValueError("num_layers, num_anchors and epochs must be >= 1")
         if self.loss not in ("ce", "kl", "mix"):
             raise ValueError(f"loss must be ce, kl or mix, got {self.loss!r}")
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         if not 0 <= self.kl_weight <= 1:
             raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
         if not 0 < self.lr < float("inf") or not 0 <= self.warmup < 1 or not 0 < self.clip < float("inf"):

@@ -1,4 +1,5 @@
-"""Weighted cross-entropy (and optional forward KL) over the frozen lm_head, in chunks.
+"""Weighted cross-entropy (and optionally a divergence from the target's distribution: forward KL
+or total variation) over the frozen lm_head, in chunks.
 
 By default slot k >= 1 of a block has weight exp(-(k-1)/gamma) (DFlash Eq. 4; gamma = 7 for block
 16); decode-aware weights (`Weighting`, train.replay) are built from the same forward's hits. The
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from train.anchors import IGNORE
-from train.config import LOSS_BACKWARDS, POSITION_WEIGHTS
+from train.config import DIVERGENCES, LOSS_BACKWARDS, POSITION_WEIGHTS
 from train.replay import block_accepts, reach_weights, visit_weights
 from train.vocab import OUT_OF_VOCAB
 
@@ -45,31 +46,40 @@ class LossOut(dict):
     `replay`, also accepts [b, N] (accepted drafts per block: train.replay.block_accepts)."""
 
 
-def _loss_rows(logits, labels, t_logits, kl_weight: float):
+def _loss_rows(logits, labels, t_logits, kl_weight: float, divergence: str = "kl"):
     """From one chunk's logits [c, V] (and the teacher's, or None): per-row loss [c], student
-    log-probs [c, V] (float32), teacher probs [c, V] (or None), argmax hits [c]."""
+    log-probs [c, V] (float32), teacher probs [c, V] (or None), argmax hits [c]. The row loss is
+    (1 - w) CE + w D, D = KL(teacher || student) or TV = 0.5 sum |student - teacher|."""
     logp = F.log_softmax(logits.float(), dim=-1)
     loss = -logp.gather(1, labels[:, None])[:, 0] * (1 - kl_weight)
     t_p = None
     if t_logits is not None:
         t_logp = F.log_softmax(t_logits.float(), dim=-1)
         t_p = t_logp.exp()
-        loss = loss + kl_weight * (t_p * (t_logp - logp)).sum(-1)
+        if divergence == "tv":
+            loss = loss + kl_weight * 0.5 * (logp.exp() - t_p).abs().sum(-1)
+        else:
+            loss = loss + kl_weight * (t_p * (t_logp - logp)).sum(-1)
     return loss, logp, t_p, logp.argmax(-1) == labels
 
 
-def _chunk_terms(h, lm_head, labels, teacher, kl_weight):
+def _chunk_terms(h, lm_head, labels, teacher, kl_weight, divergence="kl"):
     t_logits = teacher @ lm_head.T if kl_weight > 0 else None
-    loss, _, _, hit = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight)
+    loss, _, _, hit = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight, divergence)
     return loss, hit
 
 
-def _head_grad(logits, labels, t_logits, kl_weight: float):
+def _head_grad(logits, labels, t_logits, kl_weight: float, divergence: str = "kl"):
     """One chunk's per-row loss [c], d(row loss)/d(logits) [c, V] in the logits' dtype, and hits [c]:
-    d = softmax - (1 - kl) onehot - kl p_teacher."""
-    loss, logp, t_p, hit = _loss_rows(logits, labels, t_logits, kl_weight)
+    with q the softmax, d = (1 - w)(q - onehot) + w dD, where dD = q - p_teacher for KL and, for TV,
+    0.5 q (s - <s, q>) with s = sign(q - p_teacher) (the softmax's Jacobian applied to 0.5 s)."""
+    loss, logp, t_p, hit = _loss_rows(logits, labels, t_logits, kl_weight, divergence)
     d = logp.exp_()  # softmax, in place of the log-probs (no longer needed)
-    if t_p is not None:
+    if t_p is not None and divergence == "tv":
+        s = torch.sign(d - t_p)  # [c, V]
+        tv = 0.5 * d * (s - (s * d).sum(-1, keepdim=True))
+        d.mul_(1 - kl_weight).add_(tv, alpha=kl_weight)
+    elif t_p is not None:
         d.sub_(t_p, alpha=kl_weight)
     d[torch.arange(len(d), device=d.device), labels] -= 1 - kl_weight
     return loss, d.to(logits.dtype), hit
@@ -85,19 +95,19 @@ def _compiled_head_grad():
 class _FusedHeadLoss(torch.autograd.Function):
     """Chunked lm_head + per-row loss whose backward needs no logits. The lm_head is frozen, so the
     only gradient is the one with respect to the rows; each chunk forms it in the forward pass,
-    right after its softmax (d row loss / d logits = p - (1 - kl) onehot - kl p_teacher), and keeps
+    right after its softmax (d row loss / d logits: _head_grad), and keeps
     only that [c, H] result. Same FLOPs as keeping the logits, memory of one chunk, no recomputed
     matmul. The rows' loss weights are applied by autograd afterwards (backward scales each row's
     gradient by its weight), so weights built from this very forward's hits cost nothing extra."""
 
     @staticmethod
-    def forward(ctx, rows, lm_head, labels, teacher, kl_weight, chunk, compiled):
+    def forward(ctx, rows, lm_head, labels, teacher, kl_weight, divergence, chunk, compiled):
         head_grad = _compiled_head_grad() if compiled else _head_grad
         losses, grads, hits = [], [], []
         for i in range(0, len(rows), chunk):
             sl = slice(i, i + chunk)
             t_logits = teacher[sl] @ lm_head.T if teacher is not None else None  # [c, V]
-            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], t_logits, kl_weight)
+            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], t_logits, kl_weight, divergence)
             losses.append(part)
             grads.append((d @ lm_head).to(rows.dtype))  # [c, H]; d has the logits' (= lm_head's) dtype
             hits.append(hit)
@@ -110,18 +120,19 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_hit):
         (grad,) = ctx.saved_tensors
-        return grad * g_loss[:, None].to(grad.dtype), None, None, None, None, None, None
+        return grad * g_loss[:, None].to(grad.dtype), None, None, None, None, None, None, None
 
 
-def _row_losses(rows, lm_head, lab, tea, kl_weight, chunk, backward, compiled):
+def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, chunk, backward, compiled):
     """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks."""
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and backward == "fused":
-        return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight, chunk, compiled)
+        return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight, divergence, chunk,
+                                    compiled)
     losses, hits = [], []
     for i in range(0, len(rows), chunk):
         sl = slice(i, i + chunk)
-        args = (rows[sl], lm_head, lab[sl], tea[sl] if tea is not None else None, kl_weight)
+        args = (rows[sl], lm_head, lab[sl], tea[sl] if tea is not None else None, kl_weight, divergence)
         part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False) if grad and backward == "recompute" \
             else _chunk_terms(*args)
         losses.append(part)
@@ -133,14 +144,15 @@ def _row_losses(rows, lm_head, lab, tea, kl_weight, chunk, backward, compiled):
 
 def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
-               chunk: int = 2048, backward: str = "fused", compiled: bool = False,
+               divergence: str = "kl", chunk: int = 2048, backward: str = "fused", compiled: bool = False,
                weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
                spans: torch.Tensor | None = None, replay: bool = False) -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss) indexing lm_head's rows
     (OUT_OF_VOCAB: a token a draft vocabulary lacks, no loss and never a hit); teacher [B, Q, H] or None.
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
-    distribution is the soft label for token p+k. `backward` picks how the chunks' gradients are
+    distribution is the soft label for token p+k, weighted kl_weight against CE through
+    `divergence` (kl: forward KL, tv: total variation). `backward` picks how the chunks' gradients are
     made: "fused" forms each chunk's row gradient in the forward pass (no logits kept, no extra
     matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more lm_head
     matmul), "keep" leaves every chunk's logits alive until backward (most memory). `compiled`
@@ -153,6 +165,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     """
     if backward not in LOSS_BACKWARDS:
         raise ValueError(f"backward must be one of {LOSS_BACKWARDS}, got {backward!r}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     b, q, h = hidden.shape
     if lm_head.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
         lm_head = lm_head.to(hidden.dtype)  # CPU float32 training over a bf16 store
@@ -164,8 +178,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     # the store's teacher states are bf16; on CPU the drafter trains in float32 (no autocast)
     tea = teacher[keep].to(rows.dtype) if teacher is not None else None
     if kl_weight > 0 and tea is None:
-        raise ValueError("KL loss needs the stored final hidden state (extract with --last-hidden)")
-    row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, chunk, backward, compiled)
+        raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state (extract with --last-hidden)")
+    row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence, chunk, backward, compiled)
     hit = hit & in_vocab
     weighting = weighting or Weighting()
     dense = None

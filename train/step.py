@@ -32,7 +32,9 @@ class LossSettings:
     gamma: float
     """Position decay of the loss weights exp(-(k-1)/gamma)."""
     kl_weight: float = 0.0
-    """Share of forward KL to the stored teacher (0: CE on the target's tokens only)."""
+    """Share of the divergence from the stored teacher (0: CE on the target's tokens only)."""
+    divergence: str = "kl"
+    """kl (forward KL) or tv (total variation): the soft term train.losses.draft_loss adds."""
     use_flex: bool = False
     """FlexAttention block mask (GPU), else a dense boolean mask."""
     chunk: int = 2048
@@ -56,7 +58,8 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
         return draft_loss(hidden, core.labels(batch["labels"], IGNORE), core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
-                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, chunk=loss.chunk,
+                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, divergence=loss.divergence,
+                          chunk=loss.chunk,
                           backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
                           anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay)
 

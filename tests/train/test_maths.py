@@ -129,7 +129,7 @@ def test_build_blocks_labels_same_position():
     assert bl.tolist() == [IGNORE, 103, 104, 105, IGNORE, 110, 111, IGNORE]
 
 
-def naive_loss(hidden, labels, lm_head, bs, gamma, teacher=None, klw=0.0):
+def naive_loss(hidden, labels, lm_head, bs, gamma, teacher=None, klw=0.0, divergence="kl"):
     num = den = 0.0
     for b in range(hidden.shape[0]):
         for q in range(hidden.shape[1]):
@@ -141,15 +141,19 @@ def naive_loss(hidden, labels, lm_head, bs, gamma, teacher=None, klw=0.0):
             term = (1 - klw) * F.cross_entropy(logits[None], labels[b, q][None])
             if klw:
                 p = F.softmax(teacher[b, q] @ lm_head.T, -1)
-                term = term + klw * (p * (p.log() - F.log_softmax(logits, -1))).sum()
+                if divergence == "tv":  # total variation, summed over the vocabulary by a loop
+                    q_ = F.softmax(logits, -1)
+                    term = term + klw * 0.5 * sum((q_[j] - p[j]).abs() for j in range(len(p)))
+                else:
+                    term = term + klw * (p * (p.log() - F.log_softmax(logits, -1))).sum()
             num += w * term
             den += w
     return num / den
 
 
-@pytest.mark.parametrize("klw", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("klw,divergence", [(0.0, "kl"), (0.5, "kl"), (1.0, "kl"), (0.5, "tv"), (1.0, "tv")])
 @pytest.mark.parametrize("backward", ["fused", "recompute", "keep"])
-def test_loss_matches_naive(klw, backward):
+def test_loss_matches_naive(klw, divergence, backward):
     g = torch.Generator().manual_seed(1)
     bs, v, h = 4, 50, 8
     hidden = torch.randn(2, 12, h, generator=g, requires_grad=True)
@@ -159,11 +163,11 @@ def test_loss_matches_naive(klw, backward):
     labels[1, 5] = IGNORE
     teacher = torch.randn(2, 12, h, generator=g)
     out = draft_loss(hidden, labels, lm_head, block_size=bs, gamma=7.0, teacher=teacher, kl_weight=klw, chunk=5,
-                      backward=backward)
-    ref = naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw)
+                      backward=backward, divergence=divergence)
+    ref = naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw, divergence)
     torch.testing.assert_close(out["loss"], ref.float(), rtol=1e-5, atol=1e-5)
     g1 = torch.autograd.grad(out["loss"], hidden)[0]
-    g2 = torch.autograd.grad(naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw), hidden)[0]
+    g2 = torch.autograd.grad(naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw, divergence), hidden)[0]
     torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
     assert out["count"][0] == 0 and out["count"].sum() == (labels != IGNORE).sum()
 
@@ -226,9 +230,10 @@ def test_compiled_fused_loss_matches_eager():
     labels = torch.randint(0, 200, (2, 24), generator=g)
     labels[:, ::4] = IGNORE
     teacher = torch.randn(2, 24, 16, generator=g)
-    outs = [draft_loss(hidden, labels, lm_head, block_size=4, gamma=7.0, teacher=teacher, kl_weight=0.4, chunk=10,
-                       compiled=c) for c in (False, True)]
-    torch.testing.assert_close(outs[1]["loss"], outs[0]["loss"], rtol=1e-5, atol=1e-6)
-    assert torch.equal(outs[1]["correct"], outs[0]["correct"])
-    g0, g1 = (torch.autograd.grad(o["loss"], hidden)[0] for o in outs)
-    torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+    for divergence in ("kl", "tv"):
+        outs = [draft_loss(hidden, labels, lm_head, block_size=4, gamma=7.0, teacher=teacher, kl_weight=0.4, chunk=10,
+                           compiled=c, divergence=divergence) for c in (False, True)]
+        torch.testing.assert_close(outs[1]["loss"], outs[0]["loss"], rtol=1e-5, atol=1e-6)
+        assert torch.equal(outs[1]["correct"], outs[0]["correct"])
+        g0, g1 = (torch.autograd.grad(o["loss"], hidden)[0] for o in outs)
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)

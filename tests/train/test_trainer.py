@@ -103,6 +103,8 @@ def test_decode_aware_weights_train_and_resume_bit_identically(store, tmp_path):
         _cfg(store, tmp_path / "x", position_weights="flat")
     with pytest.raises(ValueError, match="visit_weight"):
         _cfg(store, tmp_path / "x", visit_weight=float("inf"))
+    with pytest.raises(ValueError, match="divergence must be one of"):
+        _cfg(store, tmp_path / "x", divergence="js")
 
 
 def test_a_diverged_run_stops_naming_the_step_and_saves_nothing_after_it(store, tmp_path):
@@ -340,10 +342,10 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("loss", ["ce", "mix"])
-def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss):
-    # mix also runs the KL path end to end: bf16 teacher states from the store, float32 on CPU
-    train(_cfg(store, tmp_path / "v", max_steps=60, val_samples=4, val_every=20, loss=loss))
+@pytest.mark.parametrize("loss,divergence", [("ce", "kl"), ("mix", "kl"), ("mix", "tv")])
+def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss, divergence):
+    # mix also runs the KL and TV paths end to end: bf16 teacher states from the store, float32 on CPU
+    train(_cfg(store, tmp_path / "v", max_steps=60, val_samples=4, val_every=20, loss=loss, divergence=divergence))
     rows = _metrics(tmp_path / "v")
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val] == [20, 40, 60]
