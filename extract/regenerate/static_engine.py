@@ -133,10 +133,11 @@ class StaticEngine:
         B, dev = rows, self.device
         self.rows_n, self.capacity, self.graphs = rows, capacity, {}
         self.stats["allocations"] += 1
-        # [B, S, Hkv, D]: token-major, so the flattened [B * S, Hkv, D] is flash attention's packed
-        # layout (row b starts at b * S); each row's positions still lie in one sweep of memory
-        self.caches = [(torch.zeros(B, capacity, self.kv_heads, self.head_dim, device=dev, dtype=self.dtype),
-                        torch.zeros(B, capacity, self.kv_heads, self.head_dim, device=dev, dtype=self.dtype))
+        # flash: [B, S, Hkv, D], token-major, so the flattened [B * S, Hkv, D] is its packed layout (row b
+        # from b * S); matmuls: [B, Hkv, S, D], contiguous along S, so the span's keys of a (row, head)
+        # are one sweep (the token-major views would make each step copy the span for its matmul)
+        shape = (B, capacity, self.kv_heads, self.head_dim) if self.flash else (B, self.kv_heads, capacity, self.head_dim)
+        self.caches = [(torch.zeros(shape, device=dev, dtype=self.dtype), torch.zeros(shape, device=dev, dtype=self.dtype))
                        for _ in self.layers]
         pos = torch.arange(capacity, device=dev)[None]
         cos, sin = self.rotary(torch.zeros(1, device=dev, dtype=self.dtype), position_ids=pos)
@@ -180,8 +181,11 @@ class StaticEngine:
         B = self.rows_n
         cos, sin = self.cos[self.pos][:, None, None], self.sin[self.pos][:, None, None]  # [B, 1, 1, D]
         heads = torch.arange(self.kv_heads, device=self.device)
-        # [B * Hkv]: the cache slot (row b, position pos[b], kv head h) in the flattened cache
-        flat = ((self.rows[:, None] * self.capacity + self.pos[:, None]) * self.kv_heads + heads[None]).reshape(-1)
+        # [B * Hkv]: the cache slot of (row b, position pos[b], kv head h) in the flattened cache
+        if self.flash:
+            flat = ((self.rows[:, None] * self.capacity + self.pos[:, None]) * self.kv_heads + heads[None]).reshape(-1)
+        else:
+            flat = ((self.rows[:, None] * self.kv_heads + heads[None]) * self.capacity + self.pos[:, None]).reshape(-1)
         if self.flash:
             # [B]: positions each live row has written, this step's included; a finished row waiting for
             # a refill or a compaction reads one position instead of its whole answer
@@ -191,13 +195,13 @@ class StaticEngine:
 
         def attend(i, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            kc, vc = self.caches[i]  # [B, S, Hkv, D]
+            kc, vc = self.caches[i]  # [B, S, Hkv, D] (flash) or [B, Hkv, S, D]
             kc.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
             vc.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
             if self.flash:
                 o = flash_decode(q[:, 0].contiguous(), kc, vc, self.cu_q, self.cu_k, used, span, self.scaling)  # [B, Hq, D]
                 return o[:, None]
-            kc, vc = kc[:, :span].transpose(1, 2), vc[:, :span].transpose(1, 2)  # [B, Hkv, span, D]: views
+            kc, vc = kc[:, :, :span], vc[:, :, :span]  # [B, Hkv, span, D]: views, strided along B
             # the query heads of one kv head share its keys: [B, Hkv, G, D] against [B, Hkv, S, D].
             # Plain matmuls (as HF's eager attention: scores in the model dtype, softmax in float32):
             # each reads the cache once, whatever the attention backends accept.
@@ -230,7 +234,10 @@ class StaticEngine:
         def attend(i, q, k, v):  # [n, T, heads, D], right-padded: pads sit after every real token
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             kc, vc = self.caches[i]
-            kc[rows_t, :T], vc[rows_t, :T] = k, v
+            if self.flash:
+                kc[rows_t, :T], vc[rows_t, :T] = k, v
+            else:
+                kc[rows_t, :, :T], vc[rows_t, :, :T] = k.transpose(1, 2), v.transpose(1, 2)
             kk = k.repeat_interleave(self.groups, dim=2).transpose(1, 2)
             vv = v.repeat_interleave(self.groups, dim=2).transpose(1, 2)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=True, scale=self.scaling)
