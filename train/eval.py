@@ -32,7 +32,7 @@ from tqdm import tqdm
 from train.acceptance import decode_chain, teacher_forced_accepts, vocab_rejections
 from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.eval_report import Tally, plot, summary, tau_so_far
-from train.export import hf_drafter
+from train.export import as_whole_head, hf_drafter
 from train.spec_decode import target_generate
 
 __all__ = ["evaluate"]
@@ -79,14 +79,15 @@ def _count_forwards(model):
     return box, h
 
 
-def _drafters(run: str, checkpoint: str, export: str) -> tuple[dict[str, Any], dict | None, str]:
-    """{"checkpoint": model, "export": model} as asked, the checkpoint's state, and its path."""
+def _drafters(run: str, checkpoint: str, export: str, whole_head: bool = True) -> tuple[dict[str, Any], dict | None, str]:
+    """{"checkpoint": model, "export": model} as asked, the checkpoint's state, and its path. whole_head:
+    the checkpoint drafts from the target's whole lm_head, as train.export serves it by default."""
     out: dict[str, Any] = {}
     state, ck = None, ""
     if run:
         ck = str(resolve_checkpoint(run, checkpoint))
         weights, _, state = load_checkpoint(ck)
-        out["checkpoint"] = hf_drafter(state, weights)
+        out["checkpoint"] = hf_drafter(*(as_whole_head(state, weights) if whole_head else (state, weights)))
     if export:
         from transformers import AutoModel
 
@@ -116,17 +117,20 @@ def _drafters(run: str, checkpoint: str, export: str) -> tuple[dict[str, Any], d
 
 def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: str = "default", limit: int = 0,
              max_new_tokens: int = 128, target: str = "", dtype: str = "float32",
-             teacher_forced: bool = False, prompt_lookup: bool = True, cuda_graph: bool = True) -> dict[str, Any]:
+             teacher_forced: bool = False, prompt_lookup: bool = True, cuda_graph: bool = True,
+             whole_head: bool = True) -> dict[str, Any]:
     """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
     with both, the export's figures sit under "export" beside the checkpoint's. teacher_forced:
     also the acceptance at every anchor of the greedy output (see train.acceptance). prompt_lookup:
     also transformers' prompt-lookup decoding as a second baseline (a third of an evaluation's time).
-    cuda_graph: False runs the drafter's side of each step eagerly on a GPU (to measure the graph)."""
+    cuda_graph: False runs the drafter's side of each step eagerly on a GPU (to measure the graph).
+    whole_head: a checkpoint trained on a draft vocabulary drafts from the target's whole lm_head, as
+    its default export serves it (False: from its draft vocabulary, as trained)."""
     from cache_format.target import chat_ids, eos_ids, load_target
 
     if not run and not export:
         raise ValueError("give --run (a training run), --export (an exported directory) or both")
-    drafters, state, ck = _drafters(run, checkpoint, export)
+    drafters, state, ck = _drafters(run, checkpoint, export, whole_head)
     if not (target or state):
         target = _export_target(export)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,7 +180,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
                           prompt_lookup=prompt_lookup, teacher_forced=teacher_forced, cuda_graph=cuda_graph)
            for which in drafters}
     if "checkpoint" in res:
-        out = {**res["checkpoint"], "checkpoint": ck}
+        out = {**res["checkpoint"], "checkpoint": ck, "whole_head": whole_head}
         if "export" in res:
             out["export"] = {**{k: v for k, v in res["export"].items() if k != "prompts"}, "path": export}
         return out
@@ -253,6 +257,9 @@ def _teacher_forced_row(drafter, target, prompt: list[int], new: list[int], deco
               help="Also run transformers' prompt-lookup decoding as a second baseline (a third of the time).")
 @click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True,
               help="On a GPU, replay the drafter's side of each step as one CUDA graph (off: eager, to compare).")
+@click.option("--whole-head/--draft-head", default=True, show_default=True,
+              help="A --run checkpoint trained on a draft vocabulary drafts from the target's whole lm_head (as "
+              "train.export serves it) or from its draft vocabulary only.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def main(as_json: bool, **kw) -> None:
     """Speculative decoding with the drafter against the real target: τ, speedup, lossless."""

@@ -72,8 +72,7 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
         raise ValueError(f"{out}: exists and is not empty; pass --overwrite to replace it, or another --out")
     weights, _, state = load_checkpoint(resolve_checkpoint(run, checkpoint))
     if whole_head:
-        state = {**state, "drafter": {**state["drafter"], "draft_vocab_size": 0}}
-        weights = {k: v for k, v in weights.items() if k != "draft_ids"}
+        state, weights = as_whole_head(state, weights)
     bad = [k for k, v in weights.items() if not torch.isfinite(v).all()]
     if bad:
         raise ValueError(f"{run}: the checkpoint's {bad[0]} holds NaN or inf (a diverged run); not exported")
@@ -91,6 +90,12 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
     tmp.rename(dst)
     shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
     return Path(out)
+
+
+def as_whole_head(state: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A checkpoint's (state, weights) drafting from the target's whole lm_head: no draft vocabulary."""
+    return ({**state, "drafter": {**state["drafter"], "draft_vocab_size": 0}},
+            {k: v for k, v in weights.items() if k != "draft_ids"})
 
 
 def write_export(dst: Path, state: dict, weights: dict[str, torch.Tensor]) -> Path:

@@ -183,8 +183,9 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
     _assert_replay_equals_decoding(target, vr)
     out = export_run(vr, str(tmp_path / "exp"), whole_head=False)
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == n
-    res = _eval(vr, prompts, "--export", str(out), "--no-prompt-lookup")
+    res = _eval(vr, prompts, "--export", str(out), "--no-prompt-lookup", "--draft-head")
     assert res["lossless"] is True and res["export"]["lossless"] is True and res["export"]["tau"] > 1.3, res
+    assert res["whole_head"] is False and res["export"]["draft_vocab_coverage"] == res["draft_vocab_coverage"]
     assert res["baseline_prompt_lookup_tau"] is None and res["prompt_lookup_tau_by_domain"] is None
     _assert_vocab_coverage(target, prompts, vr, set(weights["draft_ids"].tolist()), res["draft_vocab_coverage"])
     rows = json.loads((Path(vr) / "eval.json").read_text())["prompts"]
@@ -198,8 +199,9 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
 
     with safe_open(str(whole / "model.safetensors"), "pt") as f:
         assert "draft_ids" not in set(f.keys())
-    res = _eval(vr, prompts, "--export", str(whole), "--no-prompt-lookup")
+    res = _eval(vr, prompts, "--export", str(whole), "--no-prompt-lookup")  # the checkpoint: whole head too
     assert res["export"]["lossless"] is True and res["export"]["draft_vocab_coverage"] == 1.0, res["export"]
+    assert res["whole_head"] is True and res["draft_vocab_coverage"] == 1.0 and res["lossless"] is True
     # it starts a run on a draft vocabulary again (--init-from); the draft-head export a whole-vocabulary run not
     kw = dict(store=store, num_layers=2, block_size=4, num_anchors=64, epochs=10, max_steps=1, token_budget=2048,
               lr=3e-3, log_every=1, workers=0)
