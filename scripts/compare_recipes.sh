@@ -3,7 +3,8 @@
 # with the same steps, then is evaluated by real speculative decoding on the held-out prompts.
 #   bash scripts/scale_run.sh extract          # the store (FRACTION=0.4: ~39K samples, enough for short runs)
 #   bash scripts/compare_recipes.sh train      # every variant at once, one process each on the one GPU
-#   bash scripts/compare_recipes.sh eval       # train.eval of each variant's best checkpoint, at once
+#   bash scripts/compare_recipes.sh eval       # train.eval of each variant's best checkpoint, at once (whole
+#                                              # lm_head, as the default export serves it)
 #   bash scripts/compare_recipes.sh pack       # metrics and eval JSON of every variant into $OUT
 # On one GPU the variants run side by side: the small drafter's step leaves most of an H200 idle
 # (22% MFU), so N processes finish N runs far sooner than one after another; each gets the same
