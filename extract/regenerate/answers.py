@@ -41,6 +41,8 @@ class RegenSummary:
     seconds: float
     too_long: int = 0
     """Conversations not answered: their prompt is as long as the target's context or longer (in-process)."""
+    looping: int = 0
+    """Written conversations whose last answer repeats itself (extract.regenerate.loops.loop_start)."""
 
 
 def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> RegenSummary:
@@ -264,7 +266,9 @@ def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = Non
     log (fsync both every 2 s and at the end); progress and a closing summary."""
     from tqdm import tqdm
 
-    written = failed = tokens = retried = 0
+    from extract.regenerate.loops import loop_start
+
+    written = failed = tokens = retried = looping = 0
     t0 = last_sync = time.perf_counter()
     bar = tqdm(unit="req", desc="regenerate", mininterval=2.0, file=sys.stderr, disable=None)
     with open(out, "a", encoding="utf-8") as f:
@@ -289,6 +293,7 @@ def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = Non
                 rec = {"messages": history(segs[i], answers[:-1]) + [{"role": "assistant", "content": answers[-1]}],
                        "prompt_index": i, "sample": k}
                 finished.add((i, k))
+                looping += loop_start(answers[-1]) < len(answers[-1])
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             written += 1
             if time.perf_counter() - last_sync > 2.0:
@@ -308,8 +313,11 @@ def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = Non
         msg += f"; {retried} requests needed retries"
     if failed:
         msg += f"; failures in {cfg.out}.errors.jsonl (rerun to retry them)"
+    if looping:
+        msg += (f"; {looping} answers repeat themselves (python -m extract.regenerate.loops cuts them where the "
+                "loop starts)")
     print(msg, file=sys.stderr)
-    return RegenSummary(written, failed, retried, tokens, s)
+    return RegenSummary(written, failed, retried, tokens, s, looping=looping)
 
 
 def _done_pairs(out: Path, keys: list[str] | None, num_samples: int) -> set[tuple[int, int]]:

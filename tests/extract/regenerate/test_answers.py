@@ -240,3 +240,21 @@ def test_an_empty_prompt_file_is_an_error_not_zero_written(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="no conversation with a user message"):
         regenerate(out=str(tmp_path / "o.jsonl"), prompts=str(tmp_path / "empty.jsonl"), target="unused")
+
+
+def test_answers_that_repeat_themselves_are_counted(tmp_path, capsys):
+    """The closing line and the summary count the written answers that loop (extract.regenerate.loops)."""
+    from cache_format.conversations import segments
+    from extract.regenerate.answers import _write
+    from extract.regenerate.config import RegenConfig
+    from extract.regenerate.turns import TurnLog, conversation_key
+
+    convs = [[{"role": "user", "content": "q1"}], [{"role": "user", "content": "q2"}]]
+    out = tmp_path / "o.jsonl"
+    log = TurnLog(out, [conversation_key(c) for c in convs])
+    loop = "The first line is long enough.\nThe second line is long enough.\n" * 2
+    results = iter([((0, 0), loop, 9, 1), ((1, 0), "Fine.", 2, 1)])
+    s = _write(RegenConfig(out=str(out)), out, [segments(c) for c in convs], results, log, set())
+    assert (s.written, s.looping) == (2, 1)
+    assert "1 answers repeat themselves" in capsys.readouterr().err
+    assert [r["messages"][-1]["content"] for r in map(json.loads, out.read_text().splitlines())] == [loop.strip(), "Fine."]
