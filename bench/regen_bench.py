@@ -41,7 +41,7 @@ def run_hf(model, tok, prompts, *, max_new: int, batch: int, temperature: float,
 
 
 def run_static(model, prompts, *, max_new: int, batch: int, temperature: float, eos: list[int], sync_every: int,
-               prefill_tokens: int, attention: str = "auto") -> list[list[int]]:
+               prefill_tokens: int, attention: str = "matmul") -> list[list[int]]:
     from extract.regenerate.sampling import request_key
     from extract.regenerate.static_engine import Request, StaticEngine
 

@@ -47,11 +47,6 @@ def _answer_counts(path: Path, tok, every: int, vocab_size: int) -> tuple[np.nda
     return counts, n
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    """Index of the first position where a and b differ (len of the shorter if one is a prefix)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench vocab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True, help="conversations JSONL (.gz) whose answers choose the vocabulary")
@@ -64,6 +59,7 @@ def main() -> None:
     a = ap.parse_args()
     from cache_format.prompts import domain_of
     from cache_format.target import chat_ids, eos_ids, load_target
+    from train.acceptance import leading_matches
     from train.eval import _answer_earlier_turns, _prompts
     from train.spec_decode import target_generate
     from train.vocab import draft_vocab
@@ -86,7 +82,7 @@ def main() -> None:
         again = tok.encode(tok.decode(body), add_special_tokens=False)
         retok["answers"] += 1
         if again != body:
-            i = _first_difference(body, again)
+            i = leading_matches(body, again)  # the first position where they differ
             retok["differ"] += 1
             retok[f"{tok.convert_ids_to_tokens(body[i:i + 1])} -> {tok.convert_ids_to_tokens(again[i:i + 2])}"] += 1
     res = {"data": a.data, "answers_counted": answers, "answer_tokens": int(counts.sum()),

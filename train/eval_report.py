@@ -67,19 +67,29 @@ def tau_so_far(rows: list[dict[str, Any]]) -> float:
     return sum(r["new_tokens"] for r in rows) / max(1, sum(r["target_forwards"] for r in rows))
 
 
+def _sums_by(rows: list[dict[str, Any]], group, keys: tuple[str, ...]) -> dict[str, list[int]]:
+    """Per group(row): the sums of the rows' `keys`, in that order."""
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        acc = out.setdefault(group(r), [0] * len(keys))
+        for i, k in enumerate(keys):
+            acc[i] += r[k]
+    return out
+
+
+def _domain(row: dict[str, Any]) -> str:
+    from cache_format.prompts import domain_of
+
+    return domain_of(source_of(row["prompt"]))
+
+
 def vocab_coverage(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The share of the target's greedy tokens that the drafter's vocabulary holds, overall and per
     domain: a token outside it is a certain miss, so this caps τ where the prompts bring words the
     training answers lacked (a draft vocabulary's coverage of its own training answers reads higher);
     and the share of rejections that fell on such a token."""
-    from cache_format.prompts import domain_of
-
     keys = ("in_draft_vocab", "greedy_tokens", "rejections_outside_vocab", "rejections")
-    dom: dict[str, list[int]] = {}  # per domain, the sums of `keys`
-    for r in rows:
-        d = dom.setdefault(domain_of(source_of(r["prompt"])), [0] * len(keys))
-        for i, k in enumerate(keys):
-            d[i] += r[k]
+    dom = _sums_by(rows, _domain, keys)
     tot = [sum(v[i] for v in dom.values()) for i in range(len(keys))]
     share = lambda a, b: a / max(1, b)  # noqa: E731
     return {"draft_vocab_coverage": share(tot[0], tot[1]),
@@ -92,13 +102,7 @@ def vocab_coverage(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def teacher_forced_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """τ at every anchor (sim_tau's counterpart), overall and per domain; τ of the implied decode,
     and the share of prompts whose implied decode took exactly decoding's steps."""
-    from cache_format.prompts import domain_of
-
-    dom: dict[str, list[int]] = {}
-    for r in rows:
-        d = dom.setdefault(domain_of(source_of(r["prompt"])), [0, 0])
-        d[0] += r["tf_anchor_sum"]
-        d[1] += r["tf_anchors"]
+    dom = _sums_by(rows, _domain, ("tf_anchor_sum", "tf_anchors"))
     return {"tau_all_anchors": sum(r["tf_anchor_sum"] for r in rows) / max(1, sum(r["tf_anchors"] for r in rows)),
             "anchors": sum(r["tf_anchors"] for r in rows),
             "tau_all_anchors_by_domain": {k: v[0] / max(1, v[1]) for k, v in dom.items()},
@@ -113,20 +117,9 @@ def source_of(name: str) -> str:
 
 def by_source(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """τ per prompt source ("gsm8k/3" -> "gsm8k", "file.jsonl:7" -> "file.jsonl"), token-weighted like the overall τ."""
-    acc: dict[str, list[int]] = {}
-    for r in rows:
-        a = acc.setdefault(source_of(r["prompt"]), [0, 0, 0, 0])
-        a[0] += r["new_tokens"]
-        a[1] += r["target_forwards"]
-        a[2] += r["prompt_lookup_new_tokens"]
-        a[3] += r["prompt_lookup_target_forwards"]
-    from cache_format.prompts import domain_of
-
-    dom: dict[str, list[int]] = {}
-    for k, v in acc.items():
-        d = dom.setdefault(domain_of(k), [0, 0, 0, 0])
-        for i in range(4):
-            d[i] += v[i]
+    keys = ("new_tokens", "target_forwards", "prompt_lookup_new_tokens", "prompt_lookup_target_forwards")
+    acc = _sums_by(rows, lambda r: source_of(r["prompt"]), keys)
+    dom = _sums_by(rows, _domain, keys)
     pl = any(v[3] for v in acc.values())  # prompt lookup was run (not with --no-prompt-lookup)
     return {"tau_by_source": {k: v[0] / max(1, v[1]) for k, v in acc.items()},
             "prompt_lookup_tau_by_source": {k: v[2] / max(1, v[3]) for k, v in acc.items()} if pl else None,

@@ -181,16 +181,14 @@ class StaticEngine:
         B = self.rows_n
         cos, sin = self.cos[self.pos][:, None, None], self.sin[self.pos][:, None, None]  # [B, 1, 1, D]
         heads = torch.arange(self.kv_heads, device=self.device)
-        # [B * Hkv]: the cache slot of (row b, position pos[b], kv head h) in the flattened cache
+        # flat [B * Hkv]: the cache slot of (row b, position pos[b], kv head h) in the flattened cache
         if self.flash:
             flat = ((self.rows[:, None] * self.capacity + self.pos[:, None]) * self.kv_heads + heads[None]).reshape(-1)
-        else:
-            flat = ((self.rows[:, None] * self.kv_heads + heads[None]) * self.capacity + self.pos[:, None]).reshape(-1)
-        if self.flash:
             # [B]: positions each live row has written, this step's included; a finished row waiting for
             # a refill or a compaction reads one position instead of its whole answer
             used = torch.where(self.live, self.pos + 1, 1).to(torch.int32)
         else:
+            flat = ((self.rows[:, None] * self.kv_heads + heads[None]) * self.capacity + self.pos[:, None]).reshape(-1)
             hidden = (self.slots[None, :span] > self.pos[:, None])[:, None, None, :]  # [B, 1, 1, span]: not yet written
 
         def attend(i, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
