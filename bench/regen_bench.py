@@ -6,7 +6,9 @@
 Paths (each over the same prompts, shortest first):
   hf       today's `extract.regenerate --engine hf`: HF `generate`, dynamic cache, padded batches
   static   extract.regenerate.static_engine.StaticEngine (CUDA-graphed decode step, rows refilled from the queue)
-  static-flash  the same engine with attention="flash": flash attention over each row's own length
+           with attention="matmul": every row reads the cache up to the furthest row's span
+  static-flash  the same engine with attention="flash" (the engine's default where it runs, "auto"):
+           flash attention over each row's own length
   cb       transformers' continuous batching (`generate_batch`) with the given config, if it runs
 greedy and sampled (T 0.8, top-k 50, top-p 0.95). For greedy, the static engine's outputs are
 compared with the hf path's token for token (bf16 on a GPU: ties can flip with batch shape).

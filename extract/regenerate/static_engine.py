@@ -14,11 +14,12 @@ engine keeps `batch` rows busy instead:
   the furthest row's position through the next window (one graph per span): the cache is sized
   for the longest prompt plus max_new_tokens, and reading all of it every step made long answers
   pay for the positions no row had reached yet (4,096-token answers: docs/BENCHMARKS.md);
-- `attention="flash"` (or "auto": flash where it runs): on a GPU in half precision the decode
-  step's attention is flash attention over variable lengths, each row reading its own written
-  positions only, where the plain matmuls (the default until it is measured on a GPU) read `span`
-  positions for every row. With the queue refilling rows, one long row set the span
-  for all 512 and the step cost ~31 ms against ~12 ms with most rows idle.
+- `attention="auto"` (the default: flash where it runs, else matmuls): on a GPU in half precision
+  the decode step's attention is flash attention over variable lengths, each row reading its own
+  written positions only, where the plain matmuls read `span` positions for every row. With the
+  queue refilling rows, one long row set the span for all 512 and the step cost ~31 ms against
+  ~12 ms with most rows idle; flash made 4,096-token answers 1.21x faster on the H200
+  (docs/BENCHMARKS.md).
 
 It runs the HF model's own modules (norms, projections, MLP, rotary tables), so the numerics are
 the model's; only the attention over the cache is ours. Supported: decoder-only models built
@@ -99,7 +100,7 @@ class StaticEngine:
 
     def __init__(self, model: torch.nn.Module, *, batch: int, max_new_tokens: int, eos: Sequence[int],
                  temperature: float = 0.0, top_k: int = 50, top_p: float = 0.95, sync_every: int = 8,
-                 prefill_tokens: int = 16384, cuda_graph: bool | None = None, attention: str = "matmul"):
+                 prefill_tokens: int = 16384, cuda_graph: bool | None = None, attention: str = "auto"):
         if batch < 1 or max_new_tokens < 1 or sync_every < 1:
             raise ValueError("batch, max_new_tokens and sync_every must be >= 1")
         if attention not in ("auto", "flash", "matmul"):
