@@ -230,7 +230,7 @@ class DFlashDraftModel(PreTrainedModel):
         if old is None or old.key != key or old.rows < rows:
             self._decoding = _Decoding(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key)
         else:  # weights loaded in place since (a draft vocabulary, the target's head): the graph reads this copy
-            self._decoding.head_t.copy_(self.draft_head(head).T)
+            self._decoding.head.copy_(self.draft_head(head))
         return self._decoding
 
 
@@ -249,7 +249,9 @@ class _Decoding:
                  graph: bool, key: tuple) -> None:
         c, dev, dt = drafter.config, embed.device, drafter.fc.weight.dtype
         bs, self.d, self.embed, self.rows, self.key = drafter.block_size, drafter, embed, rows, key
-        self.head_t = head.to(dt).T.contiguous()  # [H, V or N]
+        # [V or N, H], a copy of its own (a later copy_ must not write into the target's weights), kept
+        # in the weight's own layout: a bf16 matmul against the transposed copy ran ~50x slower on a CPU
+        self.head = head.to(dt, copy=True).contiguous()
         shape = (1, c.num_key_value_heads, rows, c.head_dim)
         self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
         self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
@@ -271,7 +273,7 @@ class _Decoding:
         """block[1:] <- the drafter's argmax at the masked slots, from block[0] and context rows < n."""
         hid = self.d(F.embedding(self.block[None], self.embed), (self.n + self.offsets)[None],
                      list(zip(self.k, self.v)), self.row_ids < self.n)  # [1, Q, H]
-        self.block[1:].copy_(self.d.draft_tokens(hid[0, 1:] @ self.head_t))
+        self.block[1:].copy_(self.d.draft_tokens(F.linear(hid[0, 1:], self.head)))
 
     def _step(self) -> None:
         a = (self.block[1:] == self.want[:-1]).long().cumprod(0).sum()  # accepted drafts
