@@ -18,7 +18,6 @@ before a word is emitted as one token and re-tokenized as two).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from collections import Counter
 from pathlib import Path
@@ -30,20 +29,22 @@ import torch
 def _answer_counts(path: Path, tok, every: int, vocab_size: int) -> tuple[np.ndarray, int]:
     """[V] answer-token counts of every `every`-th record of a JSONL (or .gz) conversations file."""
     counts, n = np.zeros(vocab_size, dtype=np.int64), 0
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if i % every or not line.strip():
+    from cache_format.conversations import BadRecord, jsonl_records
+
+    try:
+        for i, rec in jsonl_records(path):
+            if i % every:
                 continue
-            try:
-                msgs = json.loads(line)["messages"]
-            except (ValueError, KeyError, TypeError):
-                raise SystemExit(f"error: {path}:{i + 1}: not a JSON record with 'messages'") from None
+            msgs = rec.get("messages")
+            if not isinstance(msgs, list):
+                raise SystemExit(f"error: {path}:{i + 1}: not a record with 'messages'")
             for m in msgs:
-                if m.get("role") == "assistant":
+                if isinstance(m, dict) and m.get("role") == "assistant":
                     ids = tok.encode(m.get("content", ""), add_special_tokens=False)
                     np.add.at(counts, ids, 1)
                     n += 1
+    except BadRecord as e:
+        raise SystemExit(f"error: {e}") from None
     return counts, n
 
 

@@ -8,11 +8,13 @@ Accepted records, one per line:
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["BadRecord", "TURNS", "history", "read_conversations", "segments"]
+__all__ = ["BadRecord", "TURNS", "history", "jsonl_lines", "jsonl_records", "read_conversations", "segments"]
 
 TURNS = ("all", "first")
 
@@ -65,31 +67,57 @@ def _parse(line: str, where: str, require_assistant: bool = True) -> list[dict[s
     return out
 
 
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """(0-based line number, raw bytes) of every non-blank line of a JSONL file; a name ending in .gz
+    is read through gzip. A damaged .gz raises `BadRecord` naming the file, not zlib's traceback."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        try:
+            for lineno, raw in enumerate(f):
+                if raw.strip():
+                    yield lineno, raw
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise BadRecord(f"{path}: not a readable gzip file ({e or type(e).__name__})") from None
+
+
+def _text(raw: bytes, path: str | Path, lineno: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if lineno == 0 else "utf-8")  # a BOM may open the file
+    except UnicodeDecodeError as e:  # a line that is not UTF-8 is one bad record, named, not a crash
+        raise BadRecord(f"{path}:{lineno + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
+                        f"{e.start} of the line)") from None
+
+
+def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """(0-based line number, record) of every non-blank line, kept as written (other fields too);
+    `BadRecord` naming file and line for a line that is not UTF-8, not JSON or not a JSON object."""
+    for lineno, raw in jsonl_lines(path):
+        try:
+            rec = json.loads(_text(raw, path, lineno))
+        except json.JSONDecodeError as e:
+            raise BadRecord(f"{path}:{lineno + 1}: malformed JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(rec, dict):
+            raise BadRecord(f"{path}:{lineno + 1}: record is not a JSON object")
+        yield lineno, rec
+
+
 def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0, bad: list[str] | None = None,
                        require_assistant: bool = True) -> Iterator[tuple[int, list[dict[str, str]]]]:
-    """(sample id = 0-based line number, messages) for every usable line.
+    """(sample id = 0-based line number, messages) for every usable line of a JSONL (or .jsonl.gz) file.
 
     A bad line raises `BadRecord` naming file and line, unless `skip_bad` (then its message is
     appended to `bad`). Blank lines are skipped silently.
     """
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad record, named, not a crash
-        for lineno, raw in enumerate(f):
-            if limit and lineno >= limit:
-                return
-            if not raw.strip():
-                continue
-            try:
-                try:
-                    line = raw.decode("utf-8-sig" if lineno == 0 else "utf-8")  # a BOM may open the file
-                except UnicodeDecodeError as e:
-                    raise BadRecord(f"{path}:{lineno + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
-                                    f"{e.start} of the line)") from None
-                yield lineno, _parse(line, f"{path}:{lineno + 1}", require_assistant)
-            except BadRecord as e:
-                if not skip_bad:
-                    raise
-                if bad is not None:
-                    bad.append(str(e))
+    for lineno, raw in jsonl_lines(path):
+        if limit and lineno >= limit:
+            return
+        try:
+            yield lineno, _parse(_text(raw, path, lineno), f"{path}:{lineno + 1}", require_assistant)
+        except BadRecord as e:
+            if not skip_bad:
+                raise
+            if bad is not None:
+                bad.append(str(e))
 
 
 def segments(messages: list[dict], turns: str = "all") -> list[list[dict]]:

@@ -8,10 +8,10 @@ GSM8K, GPQA diamond, AIME 2025. The packages are located with importlib and read
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import json
 from pathlib import Path
+
+from cache_format.conversations import jsonl_records
 
 __all__ = ["DOMAINS", "HELDOUT_GSM8K", "domain_of", "heldout_multiturn", "heldout_prompts", "heldout_user_texts",
            "train_prompts"]
@@ -37,9 +37,7 @@ def _package_dir(name: str, pip_name: str) -> Path:
 
 
 def _jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return [rec for _, rec in jsonl_records(path)]
 
 
 def _gsm8k() -> list[list[dict]]:

@@ -26,7 +26,8 @@ class ExtractConfig:
     target: str = ""
     """HF causal-LM directory or .gguf file; empty = the packaged SmolLM2-135M-Instruct GGUF."""
     data: str = ""
-    """JSONL of conversations; empty = the packaged prompts with target-generated responses."""
+    """JSONL of conversations (.jsonl.gz read through gzip); empty = the packaged prompts with target-generated
+    responses."""
     layers: tuple[int, ...] = ()
     """Tapped layer ids (id i = output of decoder layer i); empty = the DFlash rule for num_taps."""
     num_taps: int = 5

@@ -64,6 +64,6 @@ def test_vocab_suite_counts_coverage_by_size(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\nnot json\n')
     p = _bench("vocab", "--data", str(bad), "--every", "1", "--target", target, "--limit", "1", "--sizes", "5")
-    assert p.returncode != 0 and f"{bad}:2: not a JSON record" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode != 0 and f"{bad}:2: malformed JSON" in p.stderr and "Traceback" not in p.stderr
     p = _bench("vocab", "--data", data, "--target", target, "--sizes", "5,321")
     assert p.returncode != 0 and "--sizes 5,321: each must be in 1..320" in p.stderr and "Traceback" not in p.stderr

@@ -16,8 +16,6 @@ recipe (near-duplicates of any evaluation prompt are dropped) is applied to them
 from __future__ import annotations
 
 import ast
-import gzip
-import json
 import re
 import textwrap
 from collections.abc import Iterable, Iterator
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import click
 
+from cache_format.conversations import BadRecord, jsonl_records
 from extract.regenerate.dedup import out_options, write_prompts
 
 __all__ = ["completion_prompt", "completion_prompts", "wrap_completion"]
@@ -93,14 +92,11 @@ def completion_prompts(records: Iterable[dict]) -> Iterator[tuple[int, str]]:
 
 
 def _records(path: Path) -> Iterator[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for k, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise click.ClickException(f"{path} line {k}: not JSON ({e.msg})") from None
+    try:
+        for _, rec in jsonl_records(path):
+            yield rec
+    except BadRecord as e:
+        raise click.ClickException(str(e)) from None
 
 
 @click.command()

@@ -18,11 +18,12 @@ there: one label in an answer, against the loop's hundreds of copied ones.
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 
 import click
+
+from cache_format.conversations import BadRecord, jsonl_records
 
 __all__ = ["cut_conversation", "loop_start"]
 
@@ -67,23 +68,22 @@ def main(data: str, out: str, min_chars: int) -> None:
     """Cut each conversation's last answer where it starts repeating itself."""
     if min_chars < 1:
         raise click.ClickException(f"--min-chars must be >= 1, got {min_chars}")
-    opener = gzip.open if data.endswith(".gz") else open
     n = cut_n = chars = dropped = 0
     tmp = Path(out + ".partial")
     try:
-        with opener(data, "rt", encoding="utf-8") as f, tmp.open("w", encoding="utf-8") as w:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+        with tmp.open("w", encoding="utf-8") as w:
+            for i, rec in jsonl_records(data):
                 try:
-                    rec = json.loads(line)
                     msgs = rec["messages"]
                     answer = next((m["content"] for m in reversed(msgs) if m.get("role") == "assistant"), "")
                     new, gone = cut_conversation(msgs, min_chars=min_chars)
                 except (ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise click.ClickException(f"{data}:{i}: not a conversation record ({type(e).__name__}: {e})") from None
+                    raise click.ClickException(f"{data}:{i + 1}: not a conversation record ({type(e).__name__}: {e})") from None
                 n, chars, dropped, cut_n = n + 1, chars + len(answer), dropped + gone, cut_n + (gone > 0)
                 w.write(json.dumps({**rec, "messages": new}, ensure_ascii=False) + "\n")
+    except BadRecord as e:
+        tmp.unlink(missing_ok=True)
+        raise click.ClickException(f"{e}") from None
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise click.ClickException(f"{data}: {e.strerror or e}") from None

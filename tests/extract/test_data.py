@@ -107,6 +107,24 @@ def test_invalid_utf8_is_one_named_bad_record(tmp_path):
     assert [sid for sid, _ in read_conversations(p, skip_bad=True, bad=bad)] == [0, 2] and len(bad) == 1
 
 
+def test_a_gzipped_file_reads_as_the_plain_one_and_a_damaged_one_is_named(tmp_path):
+    import gzip
+
+    from cache_format.conversations import jsonl_records
+
+    plain = _write(tmp_path, [GOOD, "", GOOD.replace("\"b\"", "\"c\"")])
+    packed = tmp_path / "d.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert list(read_conversations(packed, skip_bad=False)) == list(read_conversations(plain, skip_bad=False))
+    assert [i for i, _ in jsonl_records(packed)] == [0, 2]
+    torn = tmp_path / "torn.jsonl.gz"
+    torn.write_bytes(packed.read_bytes()[:-12])  # cut inside the gzip trailer
+    with pytest.raises(BadRecord, match=r"torn.jsonl.gz: not a readable gzip file"):
+        list(read_conversations(torn, skip_bad=True))
+    with pytest.raises(BadRecord, match=r"d.jsonl:2: record is not a JSON object"):
+        list(jsonl_records(_write(tmp_path, [GOOD, "[1]"])))
+
+
 def test_a_byte_order_mark_opens_the_file(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\n")

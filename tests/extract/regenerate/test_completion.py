@@ -93,4 +93,4 @@ def test_the_cli_writes_prompts_and_names_a_bad_line(tmp_path):
     bad.write_text(json.dumps(rec) + "\n{not json\n")
     p = run(bad)
     errors = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode != 0 and len(errors) == 1 and f"{bad} line 2: not JSON" in errors[0]
+    assert p.returncode != 0 and len(errors) == 1 and f"{bad}:2: malformed JSON" in errors[0]
