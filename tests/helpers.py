@@ -126,3 +126,16 @@ def assert_same_content(a, b, exact=True):
                 assert torch.equal(x, y), sid
             else:  # another batch shape may round a bf16 value the other way
                 torch.testing.assert_close(x.float(), y.float(), atol=2e-2, rtol=2e-2)
+
+
+def metric_rows(run) -> list[dict]:
+    """The rows of a training run's metrics.jsonl, in order."""
+    import json
+    from pathlib import Path
+
+    return [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_losses(run) -> list[float]:
+    """The training rows' losses of a run, in order (held-out rows have val_loss only)."""
+    return [r["loss"] for r in metric_rows(run) if "loss" in r]

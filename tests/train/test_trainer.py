@@ -15,7 +15,7 @@ import torch
 
 from extract.config import ExtractConfig
 from extract.run import run as extract
-from tests.helpers import tiny_target_dir, write_chats
+from tests.helpers import metric_rows, tiny_target_dir, write_chats
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from train.trainer import train
@@ -48,13 +48,9 @@ def _kill_after(run, step):
             shutil.rmtree(ck)
 
 
-def _metrics(out):
-    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_loss_falls_well_below_start(store, tmp_path):
     train(_cfg(store, tmp_path / "r", max_steps=300))
-    rows = _metrics(tmp_path / "r")
+    rows = metric_rows(tmp_path / "r")
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
     assert rows[-1]["sim_tau"] > rows[0]["sim_tau"]
     assert {"step", "epoch", "loss", "lr", "acc", "sim_tau", "positions_per_s", "data_wait_frac"} <= set(rows[-1])
@@ -73,7 +69,7 @@ def test_resume_continues_identically(store, tmp_path):
     with open(part / "metrics.jsonl", "a") as f:
         f.write('{"step": 3')
     train(_cfg(store, part, max_steps=30, checkpoint_every=10, resume=True, token_budget=256))
-    a, b = _metrics(full), _metrics(part)
+    a, b = metric_rows(full), metric_rows(part)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4), (x["step"], x["loss"], y["loss"])
@@ -93,7 +89,7 @@ def test_decode_aware_weights_train_and_resume_bit_identically(store, tmp_path):
     train(_cfg(store, part, **kw))
     _kill_after(part, 10)
     train(_cfg(store, part, resume=True, **kw))
-    a, b = _metrics(tmp_path / "full"), _metrics(part)
+    a, b = metric_rows(tmp_path / "full"), metric_rows(part)
     assert [r.get("loss") for r in a] == [r.get("loss") for r in b]
     assert a[-2]["loss"] < a[0]["loss"] and "val_decode_tau" in a[-1]
     wa = load_checkpoint(latest_checkpoint(tmp_path / "full"))[0]
@@ -206,13 +202,13 @@ def test_time_limit_stops_at_a_logged_step_with_a_checkpoint_and_resume_finishes
     out = tmp_path / "t"
     res = train(_cfg(store, out, max_steps=20, time_limit=1e-6, val_samples=4, val_every=3))  # past it at row one
     assert res["stopped_by_time"] and res["steps"] == 5
-    step_row, val_row = _metrics(out)[-2:]  # the closing validation is labelled with its step's epoch
+    step_row, val_row = metric_rows(out)[-2:]  # the closing validation is labelled with its step's epoch
     assert val_row["step"] == step_row["step"] == 5 and val_row["epoch"] == step_row["epoch"] == 0
     _, _, saved = load_checkpoint(latest_checkpoint(out))
     assert saved["step"] == 5
     res = train(_cfg(store, out, max_steps=20, resume=True, val_samples=4, val_every=3))
     assert not res["stopped_by_time"] and res["steps"] == 20
-    assert [r["step"] for r in _metrics(out) if "loss" in r] == [5, 10, 15, 20]
+    assert [r["step"] for r in metric_rows(out) if "loss" in r] == [5, 10, 15, 20]
 
 
 def test_tensorboard_events_carry_the_metric_rows_and_a_resume_purges_past_its_checkpoint(store, tmp_path):
@@ -224,7 +220,7 @@ def test_tensorboard_events_carry_the_metric_rows_and_a_resume_purges_past_its_c
     train(_cfg(store, out, max_steps=15, checkpoint_every=10, tensorboard=True, resume=True))
     ev = EventAccumulator(str(out / "tensorboard"))
     ev.Reload()
-    rows = [r for r in _metrics(out) if "loss" in r]
+    rows = [r for r in metric_rows(out) if "loss" in r]
     got = [(e.step, e.value) for e in ev.Scalars("loss")]
     assert [s for s, _ in got] == [r["step"] for r in rows] == [5, 10, 15]  # step 15 once, though logged twice
     assert [v for _, v in got] == pytest.approx([r["loss"] for r in rows])
@@ -280,7 +276,7 @@ def test_two_rank_ddp_matches_one_rank_same_global_batch(store, tmp_path, reduce
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "train", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    for x, y in zip(_metrics(one), _metrics(two)):
+    for x, y in zip(metric_rows(one), metric_rows(two)):
         assert x["loss"] == pytest.approx(y["loss"], rel=rtol)
     wa, _, _ = load_checkpoint(latest_checkpoint(one))
     wb, _, _ = load_checkpoint(latest_checkpoint(two))
@@ -302,7 +298,7 @@ def test_follow_mode_trains_while_stage_one_writes(tmp_path):
         writer.wait(60)
     assert writer.returncode == 0
     assert res["finalized"] and res["samples_last_epoch"] == 60  # the last epoch saw the whole store
-    rows = _metrics(tmp_path / "run")
+    rows = metric_rows(tmp_path / "run")
     assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
 
 
@@ -322,7 +318,7 @@ def test_two_rank_follow_mode_agrees_on_the_growing_store(tmp_path):
     finally:
         writer.wait(60)
     assert writer.returncode == 0 and p.returncode == 0, p.stderr[-3000:]
-    rows = _metrics(tmp_path / "run")
+    rows = metric_rows(tmp_path / "run")
     assert rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
 
 
@@ -331,7 +327,7 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
     # --compile fuses the layers with inductor (CPU here): same losses, and checkpoints keep the eager names
     train(_cfg(store, tmp_path / "eager", max_steps=6, checkpoint_every=6, log_every=1))
     train(_cfg(store, tmp_path / "comp", max_steps=6, checkpoint_every=6, log_every=1, compile=True))
-    a, b = _metrics(tmp_path / "eager"), _metrics(tmp_path / "comp")
+    a, b = metric_rows(tmp_path / "eager"), metric_rows(tmp_path / "comp")
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) < 1e-3 * abs(x["loss"]), (x["loss"], y["loss"])
@@ -346,7 +342,7 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
 def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss, divergence):
     # mix also runs the KL and TV paths end to end: bf16 teacher states from the store, float32 on CPU
     train(_cfg(store, tmp_path / "v", max_steps=60, val_samples=4, val_every=20, loss=loss, divergence=divergence))
-    rows = _metrics(tmp_path / "v")
+    rows = metric_rows(tmp_path / "v")
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val] == [20, 40, 60]
     assert val[-1]["val_loss"] < val[0]["val_loss"] and len(val[-1]["val_acc"]) == 3
@@ -373,7 +369,7 @@ def test_validation_time_is_not_in_the_training_rate(store, tmp_path, monkeypatc
 
     monkeypatch.setattr(trainer, "evaluate_holdout", slow)
     train(_cfg(store, tmp_path / "v", max_steps=15, val_samples=4, val_every=10))
-    rate = {r["step"]: r["positions_per_s"] for r in _metrics(tmp_path / "v") if "positions_per_s" in r}
+    rate = {r["step"]: r["positions_per_s"] for r in metric_rows(tmp_path / "v") if "positions_per_s" in r}
     assert rate[15] > 0.3 * rate[10], rate  # without the exclusion: ~0.1
 
 
@@ -435,7 +431,7 @@ def test_patience_stops_after_evaluations_without_a_new_best(store, tmp_path, mo
     out = tmp_path / "p"
     res = train(_cfg(store, out, max_steps=60, val_samples=4, val_every=10, patience=2))
     assert res["steps"] == 40 and res["stopped_early"]  # 1.4 at 30 and 1.3 at 40: two without a gain
-    assert [r["step"] for r in _metrics(out) if "val_loss" in r] == [10, 20, 30, 40]
+    assert [r["step"] for r in metric_rows(out) if "val_loss" in r] == [10, 20, 30, 40]
     assert best_checkpoint(out).name == "best-20" and latest_checkpoint(out).name == "step-40"
     with pytest.raises(ValueError, match="patience"):
         _cfg(store, out, patience=2)  # nothing held out to be patient about
@@ -444,10 +440,10 @@ def test_patience_stops_after_evaluations_without_a_new_best(store, tmp_path, mo
 def test_the_last_steps_are_logged_when_the_epochs_end_between_log_rows(store, tmp_path):
     """Epochs end the run before --max-steps and off a --log-every step: a row still covers the tail."""
     res = train(_cfg(store, tmp_path / "r", epochs=1, max_steps=1000, log_every=1000))
-    assert 0 < res["steps"] < 1000 and [r["step"] for r in _metrics(tmp_path / "r")] == [res["steps"]]
+    assert 0 < res["steps"] < 1000 and [r["step"] for r in metric_rows(tmp_path / "r")] == [res["steps"]]
     n = res["steps"]
     res = train(_cfg(store, tmp_path / "r2", epochs=2, max_steps=1000, log_every=n + 1))
-    assert [r["step"] for r in _metrics(tmp_path / "r2")] == [n + 1, res["steps"]] and res["steps"] > n + 1
+    assert [r["step"] for r in metric_rows(tmp_path / "r2")] == [n + 1, res["steps"]] and res["steps"] > n + 1
 
 
 def test_damaged_run_directory_files_resume_or_fail_in_one_line_naming_the_file(store, tmp_path):
@@ -498,7 +494,7 @@ def test_follow_mode_trains_from_object_storage_while_stage_one_mirrors(tmp_path
         writer.wait(60)
     assert writer.returncode == 0
     assert res["finalized"] and res["samples_last_epoch"] == 60
-    rows = _metrics(tmp_path / "run")
+    rows = metric_rows(tmp_path / "run")
     assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
 
 
