@@ -139,3 +139,23 @@ def metric_rows(run) -> list[dict]:
 def run_losses(run) -> list[float]:
     """The training rows' losses of a run, in order (held-out rows have val_loss only)."""
     return [r["loss"] for r in metric_rows(run) if "loss" in r]
+
+
+def train_cfg(store, out, **kw):
+    """A TrainConfig for a 1-layer drafter on a tiny store (the trainer tests' defaults), overridden by kw."""
+    from train.config import TrainConfig
+
+    args = dict(store=store, out=str(out), num_layers=1, block_size=4, num_anchors=16, epochs=200, token_budget=512,
+                lr=3e-3, warmup=0.05, log_every=5, workers=0, seed=3)
+    args.update(kw)
+    return TrainConfig(**args)
+
+
+def kill_after(run, step: int) -> None:
+    """Leave `run` as a run killed just after its step-`step` checkpoint: the later step-N go."""
+    import shutil
+    from pathlib import Path
+
+    for ck in (Path(run) / "checkpoints").glob("step-*"):
+        if int(ck.name[5:]) > step:
+            shutil.rmtree(ck)

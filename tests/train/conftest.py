@@ -1,10 +1,13 @@
-"""Fixtures of the training-stage tests: a tiny target, its greedy answers as a store, an overfit run."""
+"""Fixtures of the training-stage tests: a tiny extracted store; a tiny target, its greedy answers as a
+store and a drafter overfit to them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from extract.config import ExtractConfig
+from extract.run import run as extract
 from tests.helpers import tiny_target_dir, write_chats
 from train.config import TrainConfig
 from train.trainer import train
@@ -53,3 +56,15 @@ def trained(tmp_path_factory):
     train(TrainConfig(store=store, out=run, num_layers=2, block_size=4, num_anchors=64, epochs=1000, max_steps=150,
                       token_budget=2048, lr=3e-3, log_every=50, workers=0))
     return target, prompts, run
+
+
+@pytest.fixture(scope="session")
+def store(tmp_path_factory):
+    """A tiny store extracted from a random qwen3-shaped target (24 cyclic chats, taps 0, 2, 4)."""
+    d = tmp_path_factory.mktemp("tiny")
+    target = tiny_target_dir(d / "t", "qwen3")
+    data = write_chats(d / "chats.jsonl", 24, cyclic=True)
+    path = d / "s.zarr"
+    extract(ExtractConfig(store=str(path), target=target, data=data, layers=(0, 2, 4), max_len=256,
+                          min_supervised=4, token_budget=1024, rows_per_shard=256))
+    return str(path)
