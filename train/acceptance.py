@@ -98,6 +98,7 @@ def teacher_forced_accepts(drafter, target, prompt: list[int], new: list[int]) -
     x = torch.cat([taps[i] for i in drafter.target_layer_ids], dim=-1)  # [1, L, K*H]
     ctx = drafter.context_kv(x, torch.arange(x.shape[1], device=dev)[None])  # per layer (k, v) [1, nkv, L, hd]
     embed, head = target.get_input_embeddings().weight, drafter.draft_head(target.get_output_embeddings().weight)
+    head = head.to(next(drafter.parameters()).dtype)  # [V or N, H], cast once, not per anchor
     bs, p = drafter.block_size, len(prompt)
     out = []
     for j in range(len(new) - 1):
@@ -106,6 +107,6 @@ def teacher_forced_accepts(drafter, target, prompt: list[int], new: list[int]) -
         block[0, 0] = new[j]
         hid = drafter(F.embedding(block, embed), torch.arange(n, n + bs, device=dev)[None],
                       [(k[:, :, :n], v[:, :, :n]) for k, v in ctx])  # [1, bs, H]
-        draft = drafter.draft_tokens(hid[0, 1:] @ head.to(hid.dtype).T).tolist()  # [bs-1] target ids
+        draft = drafter.draft_tokens(F.linear(hid[0, 1:], head)).tolist()  # [bs-1] target ids
         out.append(leading_matches(draft, new[j + 1: j + bs]))
     return out
