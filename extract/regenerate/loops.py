@@ -83,7 +83,7 @@ def main(data: str, out: str, min_chars: int) -> None:
                 w.write(json.dumps({**rec, "messages": new}, ensure_ascii=False) + "\n")
     except BadRecord as e:
         tmp.unlink(missing_ok=True)
-        raise click.ClickException(f"{e}") from None
+        raise click.ClickException(str(e)) from None
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise click.ClickException(f"{data}: {e.strerror or e}") from None
