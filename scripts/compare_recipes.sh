@@ -14,7 +14,8 @@
 #   FRACTION=0.2 STORE=/dev/shm/mx.zarr EXTRACT_ARGS="--dtype mxfp4" bash scripts/scale_run.sh extract
 #   VARIANTS="bf16:--store /dev/shm/bf16.zarr;mxfp4:--store /dev/shm/mx.zarr" bash scripts/compare_recipes.sh train
 # Settings (environment): VARIANTS ("name:train options" separated by ';'), STORE, W (work dir,
-# default /root/cmp), STEPS (cosine length, default 900), TLIM (seconds each may train, 420), VAL
+# default /root/cmp), STEPS (cosine length, default 900: pick what every variant reaches within TLIM, or
+# the one that goes further had more training; the train stage warns), TLIM (seconds each may train, 420), VAL
 # (held-out samples, 500), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
 # EVAL_ARGS (more train.eval options, e.g. --no-prompt-lookup: a third less evaluation time),
 # GGUF (the target for eval; default: the run's).
@@ -48,12 +49,20 @@ eval_one() {
 }
 case $stage in
 train) run_all train_one
+  last=()
   for v in "${VS[@]}"; do
     name=${v%%:*}
-    echo "$name: $(grep -c '"loss"' "$W/$name/metrics.jsonl" 2>/dev/null) rows; last held-out:"
+    step=$(grep '"loss"' "$W/$name/metrics.jsonl" 2>/dev/null | tail -n 1 | python3 -c \
+      'import json,sys; t=sys.stdin.read(); print(json.loads(t)["step"] if t.strip() else 0)')
+    last+=("$step")
+    echo "$name: trained to step $step; last held-out:"
     grep val_decode_tau "$W/$name/metrics.jsonl" | tail -n 1 | python3 -c \
       'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("step","val_loss","val_sim_tau","val_decode_tau")})'
-  done;;
+  done
+  # a variant that ran further had more training: its τ is not comparable (rerun with fewer STEPS)
+  if [ "$(printf '%s\n' "${last[@]}" | sort -u | wc -l)" -gt 1 ]; then
+    echo "warning: the variants stopped at different steps (${last[*]}): not equal budgets; set STEPS to what all reach in TLIM"
+  fi;;
 eval) run_all eval_one
   for v in "${VS[@]}"; do
     name=${v%%:*}
