@@ -99,3 +99,12 @@ def test_a_drafter_cast_between_decodes_decodes_alike():
     served.to(torch.bfloat16)
     assert torch.equal(served.spec_generate(tgt, ids, max_new_tokens=12)["sequences"], first)  # lossless either way
     assert served._decoding.k[0].dtype == torch.bfloat16
+    # the state's head is a copy of its own, in the weight's [V, H] layout: loading new head weights into
+    # the target in place reaches the next decode through that copy, and the copy never writes back
+    head = tgt.get_output_embeddings().weight
+    assert served._decoding.head.shape == head.shape and served._decoding.head.data_ptr() != head.data_ptr()
+    with torch.no_grad():
+        head.mul_(-1.0)
+    flipped = head.clone()
+    served.spec_generate(tgt, ids, max_new_tokens=4)
+    assert torch.equal(served._decoding.head, flipped.to(torch.bfloat16)) and torch.equal(head, flipped)
