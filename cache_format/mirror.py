@@ -111,20 +111,15 @@ def _writer_entries(logs: dict[str, bytes]) -> list[tuple[int, list[dict[str, An
     return [(int(Path(key).stem[1:]), parse_commit_lines(raw, key)) for key, raw in logs.items()]
 
 
-def _complete_shards(m: Manifest, logs: dict[str, bytes]) -> list[str]:
-    """The data files (relative keys) of the complete shards that the done-log snapshots commit."""
-    arrays = token_arrays(m)
-    return [k for writer, entries in _writer_entries(logs) for e in entries if e["rows"] == m.rows_per_shard
-            for k in shard_keys(arrays, group_key(writer, e["bucket"]), e["shard"])]
-
-
-def _committed_ends(m: Manifest, logs: dict[str, bytes]) -> list[str]:
-    """The data files of the shard each writer's committed rows end inside, per bucket: a resuming
-    writer reads that shard's committed rows back into its buffer (ShardWriter._recover), and it may
-    be a complete shard (a sample that began in it was not committed)."""
-    arrays = token_arrays(m)
+def _settled_shards(m: Manifest, logs: dict[str, bytes]) -> list[str]:
+    """The data files (relative keys) of the shards whose every row the done-log snapshots commit:
+    the rows below a writer's committed end are never read or written again, even by a resume. A
+    shard whose entry says it is full is not enough: a sample that began in it and ends in a later
+    shard may not be committed, and a resuming writer then reads that shard back and rewrites it
+    (ShardWriter._recover) -- evicting it meanwhile raced the writer's own tail flush."""
+    arrays, rps = token_arrays(m), m.rows_per_shard
     return [k for writer, entries in _writer_entries(logs) for bucket, n in committed_rows(entries).items()
-            if n % m.rows_per_shard for k in shard_keys(arrays, group_key(writer, bucket), n // m.rows_per_shard)]
+            for shard in range(n // rps) for k in shard_keys(arrays, group_key(writer, bucket), shard)]
 
 
 class Mirror:
@@ -132,9 +127,9 @@ class Mirror:
     it changed since the last push."""
 
     def __init__(self, local: str | os.PathLike, url: str, *, bucket=None, evict: bool = False) -> None:
-        """evict: delete the local files of complete shards once they and the done-log line that
-        commits them are on the server (the writer never reads a complete shard again), so the
-        staging directory holds the tail shards and metadata, not the store."""
+        """evict: delete the local files of settled shards (every row committed) once they and the
+        done-log lines that commit them are on the server (the writer never reads or writes those
+        rows again), so the staging directory holds the tail shards and metadata, not the store."""
         self.local, self.url, self.evict = Path(local), url, evict
         self.bucket = bucket or open_bucket(url)
         self.sent: dict[str, tuple[int, int, int]] = {}  # key -> _signature of the version last uploaded
@@ -165,7 +160,7 @@ class Mirror:
         self.bytes_sent += len(data)
 
     def _evict(self, logs: dict[str, bytes]) -> None:
-        for key in _complete_shards(read_manifest(self.local), logs):
+        for key in _settled_shards(read_manifest(self.local), logs):
             p = self.local / key
             try:
                 st = p.stat()
@@ -221,7 +216,7 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
     writer's), clear the old store with `overwrite` or else download its metadata, done-logs and tail
     shards (a resume, on this machine or another), then push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
     more on the way out, finished or not, so that a resume finds every commit; release the lease.
-    Complete shards leave `local` once they are on the server (Mirror's evict)."""
+    Settled shards leave `local` once they are on the server (Mirror's evict)."""
     lease = Lease(url, ttl=ttl).acquire()
     try:
         there = set(_listing(lease.bucket, url)) - {LEASE_KEY}
@@ -230,13 +225,12 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
                                    "prefix, or --overwrite to delete them")
         if overwrite:
             clear(url, lease.bucket)
-        elif there:  # a resume: the metadata, done-logs and tail shards (a writer never reads a complete one)
+        elif there:  # a resume: the metadata, done-logs and unsettled shards (a writer never reads a settled one)
             pull(url, local, data=False, bucket=lease.bucket)
             logs = {f"commits/{p.name}": p.read_bytes() for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
             m = read_manifest(Path(local))
-            complete = set(_complete_shards(m, logs))
-            needed = {k for k in there if _is_data(k) and k not in complete} | set(_committed_ends(m, logs))
-            fetch(url, Path(local), sorted(needed & there), lease.bucket)
+            settled = set(_settled_shards(m, logs))
+            fetch(url, Path(local), sorted(k for k in there if _is_data(k) and k not in settled), lease.bucket)
     except BaseException:
         lease.release()
         raise

@@ -7,14 +7,15 @@ An object store has no rename, no append and no flock, so a store there is a mir
   writer's done-log, then uploads the shard files and the arrays' metadata, then the snapshots: an
   object PUT is atomic (an object is absent or whole), so a reader never meets a commit whose shard
   is missing or torn. The other files follow; the root `zarr.json` goes up before anything else
-  once, and again last (its state says "finalized"). Complete shards then leave the stage.
+  once, and again last (its state says "finalized"). Settled shards (every row committed) then
+  leave the stage.
 - **One writer.** A lease object (`LEASE.json`: holder, expiry) is created with a conditional PUT
   (create only if absent) and renewed by every push (replace only if unchanged since our last
   write). A second writer is refused in one line naming the holder; a lease not renewed for its
   time to live (a writer killed with -9) is taken over, so a resumed run waits at most that long.
 - **Resume.** A writer starting on a URL that already holds a store downloads its metadata,
-  done-logs and the shards its writers resume in (tail shards, and the shard each writer's
-  committed rows end in), then resumes locally as on a filesystem (uncommitted rows are dropped).
+  done-logs and every shard that is not settled (the shard each writer's committed rows end in,
+  and any written past it), then resumes locally as on a filesystem (uncommitted rows are dropped).
 - **Reading.** `local_copy` downloads everything but the shard data into a cache directory (one
   per URL); `fetch` brings shards on first use, and readers check each against its done-log
   checksum (cache_format.reader's shard checks are on for every remote store). Each node keeps its

@@ -156,6 +156,34 @@ def test_pushed_complete_shards_leave_the_staging_directory_and_writing_goes_on(
         assert_sample_equal(remote.get(sid), make_sample(sid, sample_length(sid, m.max_len), m))
 
 
+def test_only_shards_whose_every_row_is_committed_are_settled(tmp_path):
+    """A shard whose entry says it is full is not settled while a sample that began in it is not
+    committed: a resuming writer reads it back and rewrites it, so the mirror must not evict it
+    (the race a kill -9 and resume on the same stage directory met)."""
+    from cache_format.layout import group_key, shard_keys, token_arrays
+    from cache_format.mirror import _settled_shards
+
+    m = make_manifest()
+    r, arrays = m.rows_per_shard, token_arrays(make_manifest())
+
+    def keys(writer, bucket, shards):
+        return {k for s in shards for k in shard_keys(arrays, group_key(writer, bucket), s)}
+
+    def log(*entries):
+        return "".join(json.dumps({"bucket": b, "shard": s, "rows": n, "samples": smp}) + "\n"
+                       for b, s, n, smp in entries).encode()
+
+    # writer 0, bucket 1: sample 0 fills half of shard 0, sample 1 runs through shards 0 and 1 into 2
+    open_sample = log((1, 0, r, [[0, r // 2]]), (1, 1, r, []))
+    assert _settled_shards(m, {"commits/w00000.jsonl": open_sample}) == []
+    closed = open_sample + log((1, 2, 3, [[1, r // 2 + r + 3]]))
+    assert set(_settled_shards(m, {"commits/w00000.jsonl": closed})) == keys(0, 1, [0, 1])
+    # writer 3, bucket 0: committed rows end exactly on a shard boundary
+    exact = log((0, 0, r, [[5, r - 4], [6, 4]]))
+    both = {"commits/w00000.jsonl": closed, "commits/w00003.jsonl": exact}
+    assert set(_settled_shards(m, both)) == keys(0, 1, [0, 1]) | keys(3, 0, [0])
+
+
 def _read_in_child(root, url, sid, out):
     out.put(StoreReader(root, remote=url).get(sid).input_ids.tolist())
 
