@@ -48,24 +48,26 @@ class LossOut(dict):
 
 def _loss_rows(logits, labels, t_logits, kl_weight: float, divergence: str = "kl"):
     """From one chunk's logits [c, V] (and the teacher's, or None): per-row loss [c], student
-    log-probs [c, V] (float32), teacher probs [c, V] (or None), argmax hits [c]. The row loss is
-    (1 - w) CE + w D, D = KL(teacher || student) or TV = 0.5 sum |student - teacher|."""
+    log-probs [c, V] (float32), its softmax [c, V] where TV needed it (else None), teacher probs
+    [c, V] (or None), argmax hits [c]. The row loss is (1 - w) CE + w D, D = KL(teacher || student)
+    or TV = 0.5 sum |student - teacher|."""
     logp = F.log_softmax(logits.float(), dim=-1)
     loss = -logp.gather(1, labels[:, None])[:, 0] * (1 - kl_weight)
-    t_p = None
+    q = t_p = None
     if t_logits is not None:
         t_logp = F.log_softmax(t_logits.float(), dim=-1)
         t_p = t_logp.exp()
         if divergence == "tv":
-            loss = loss + kl_weight * 0.5 * (logp.exp() - t_p).abs().sum(-1)
+            q = logp.exp()
+            loss = loss + kl_weight * 0.5 * (q - t_p).abs().sum(-1)
         else:
             loss = loss + kl_weight * (t_p * (t_logp - logp)).sum(-1)
-    return loss, logp, t_p, logp.argmax(-1) == labels
+    return loss, logp, q, t_p, logp.argmax(-1) == labels
 
 
 def _chunk_terms(h, lm_head, labels, teacher, kl_weight, divergence="kl"):
     t_logits = teacher @ lm_head.T if kl_weight > 0 else None
-    loss, _, _, hit = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight, divergence)
+    loss, _, _, _, hit = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight, divergence)
     return loss, hit
 
 
@@ -73,8 +75,8 @@ def _head_grad(logits, labels, t_logits, kl_weight: float, divergence: str = "kl
     """One chunk's per-row loss [c], d(row loss)/d(logits) [c, V] in the logits' dtype, and hits [c]:
     with q the softmax, d = (1 - w)(q - onehot) + w dD, where dD = q - p_teacher for KL and, for TV,
     0.5 q (s - <s, q>) with s = sign(q - p_teacher) (the softmax's Jacobian applied to 0.5 s)."""
-    loss, logp, t_p, hit = _loss_rows(logits, labels, t_logits, kl_weight, divergence)
-    d = logp.exp_()  # softmax, in place of the log-probs (no longer needed)
+    loss, logp, q, t_p, hit = _loss_rows(logits, labels, t_logits, kl_weight, divergence)
+    d = logp.exp_() if q is None else q  # the softmax: TV's, or in place of the log-probs (no longer needed)
     if t_p is not None and divergence == "tv":
         s = torch.sign(d - t_p)  # [c, V]
         tv = 0.5 * d * (s - (s * d).sum(-1, keepdim=True))

@@ -46,17 +46,19 @@ def loop_start(text: str, *, min_chars: int = 20) -> int:
     return len(text)
 
 
-def cut_conversation(messages: list[dict], *, min_chars: int = 20) -> tuple[list[dict], int]:
-    """(messages with the last assistant turn cut at its first loop, characters cut)."""
+def cut_conversation(messages: list[dict], *, min_chars: int = 20) -> tuple[list[dict], int, int]:
+    """(messages with the last assistant turn cut at its first loop, characters cut, characters
+    that answer had)."""
     last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
     if last < 0:
-        return messages, 0
+        return messages, 0, 0
     text = messages[last]["content"]
     cut = loop_start(text, min_chars=min_chars)
     if cut == len(text):
-        return messages, 0
+        return messages, 0, len(text)
     kept = text[:cut].rstrip()
-    return [*messages[:last], {**messages[last], "content": kept}, *messages[last + 1:]], len(text) - len(kept)
+    return ([*messages[:last], {**messages[last], "content": kept}, *messages[last + 1:]], len(text) - len(kept),
+            len(text))
 
 
 @click.command()
@@ -74,12 +76,10 @@ def main(data: str, out: str, min_chars: int) -> None:
         with tmp.open("w", encoding="utf-8") as w:
             for i, rec in jsonl_records(data):
                 try:
-                    msgs = rec["messages"]
-                    answer = next((m["content"] for m in reversed(msgs) if m.get("role") == "assistant"), "")
-                    new, gone = cut_conversation(msgs, min_chars=min_chars)
+                    new, gone, answer = cut_conversation(rec["messages"], min_chars=min_chars)
                 except (ValueError, KeyError, TypeError, AttributeError) as e:
                     raise click.ClickException(f"{data}:{i + 1}: not a conversation record ({type(e).__name__}: {e})") from None
-                n, chars, dropped, cut_n = n + 1, chars + len(answer), dropped + gone, cut_n + (gone > 0)
+                n, chars, dropped, cut_n = n + 1, chars + answer, dropped + gone, cut_n + (gone > 0)
                 w.write(json.dumps({**rec, "messages": new}, ensure_ascii=False) + "\n")
     except BadRecord as e:
         tmp.unlink(missing_ok=True)

@@ -29,10 +29,13 @@ def test_only_the_last_answer_is_cut():
     looping = f"{A}\n{B}\n{A}\n{B}\n"
     msgs = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": looping},
             {"role": "user", "content": "q2"}, {"role": "assistant", "content": looping + "tail"}]
-    new, gone = cut_conversation(msgs)
+    new, gone, had = cut_conversation(msgs)
     assert new[1]["content"] == looping and new[3]["content"] == f"{A}\n{B}"
     assert gone == len(looping + "tail") - len(f"{A}\n{B}") and msgs[3]["content"] == looping + "tail"
-    assert cut_conversation(msgs[:1]) == (msgs[:1], 0)
+    assert had == len(looping + "tail")
+    assert cut_conversation(msgs[:1]) == (msgs[:1], 0, 0)
+    assert cut_conversation(msgs[:2] + [{"role": "user", "content": "q2"}, {"role": "assistant", "content": B}]) \
+        == (msgs[:2] + [{"role": "user", "content": "q2"}, {"role": "assistant", "content": B}], 0, len(B))
 
 
 def test_the_tool_cuts_a_gzipped_file_keeps_other_fields_and_names_a_bad_line(tmp_path):
