@@ -121,6 +121,28 @@ def show(store: str, sample_id: int) -> None:
 
 
 @cli.command()
+@click.argument("which", type=click.Choice(["validation", "evaluation", "train"]))
+@click.argument("out", type=click.Path())
+def prompts(which: str, out: str) -> None:
+    """Write a packaged prompt set as conversations (JSONL, user turns only) for extract.regenerate:
+    validation (the held-out prompts the evaluation's test leaves: for `train --val-store`), evaluation
+    (every held-out prompt, the test first) or train (GSM8K minus held-out, GPQA, AIME)."""
+    import json
+
+    from cache_format.layout import atomic_write_bytes
+    from cache_format.prompts import evaluation_prompts, train_prompts, validation_prompts
+
+    try:
+        convs = {"validation": validation_prompts, "evaluation": evaluation_prompts,
+                 "train": lambda: [("", m) for m in train_prompts()]}[which]()
+    except ValueError as e:  # a package that is not installed
+        _fail(e)
+    lines = [json.dumps({"messages": m, **({"name": name} if name else {})}, ensure_ascii=False) for name, m in convs]
+    atomic_write_bytes(out, ("\n".join(lines) + "\n").encode())
+    click.echo(f"{len(lines)} {which} prompts -> {out}")
+
+
+@cli.command()
 @click.argument("store", type=click.Path())
 @click.argument("out", type=click.Path())
 def plot(store: str, out: str) -> None:

@@ -4,6 +4,11 @@ Held out of all default training data (it is the evaluation set, see train/eval.
 `HELDOUT_GSM8K` GSM8K test questions (math), all of HumanEval (code), and the everyday chat
 prompts written for this project in data/heldout_chat.jsonl (chat). Training prompts: the rest of
 GSM8K, GPQA diamond, AIME 2025. The packages are located with importlib and read as files.
+
+The held-out set splits in two: the test, the first `TEST_PER_DOMAIN` prompts of each domain (what
+`python -m train.eval --limit 48` scores and docs/BENCHMARKS.md reports), and the validation set,
+the rest (GSM8K 16-99, HumanEval 16-163, chat 16-47: 264 prompts in the evaluation's formats), for
+choosing checkpoints and recipes (`train --val-store`) without looking at the test.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from pathlib import Path
 
 from cache_format.conversations import jsonl_records
 
-__all__ = ["DOMAINS", "HELDOUT_GSM8K", "domain_of", "heldout_multiturn", "heldout_prompts", "heldout_user_texts",
-           "train_prompts"]
+__all__ = ["DOMAINS", "HELDOUT_GSM8K", "TEST_PER_DOMAIN", "domain_of", "heldout_multiturn", "heldout_prompts",
+           "heldout_user_texts", "evaluation_prompts", "train_prompts", "validation_prompts"]
 
 HELDOUT_GSM8K = 100
+TEST_PER_DOMAIN = 16  # the test: the first 16 held-out prompts of each domain (--limit 48)
 DOMAINS = ("math", "code", "chat")
 _CHAT = Path(__file__).parent / "data" / "heldout_chat.jsonl"
 # two-turn everyday chats written for this project: τ is measured on the second turn
@@ -65,6 +71,26 @@ def heldout_prompts() -> list[tuple[str, list[dict]]]:
         out.append((r["task_id"], [{"role": "user", "content": msg}]))
     out += [(f"chat/{i}", r["messages"]) for i, r in enumerate(_jsonl(_CHAT))]
     return out
+
+
+def _by_domain() -> dict[str, list[tuple[str, list[dict]]]]:
+    groups: dict[str, list] = {}
+    for p in heldout_prompts():
+        groups.setdefault(domain_of(p[0]), []).append(p)
+    return groups
+
+
+def evaluation_prompts() -> list[tuple[str, list[dict]]]:
+    """The held-out prompts in the evaluation's order: the domains interleaved (math, code, chat,
+    math, ...), so its first 3 * TEST_PER_DOMAIN are the test and any shorter prefix covers each
+    domain alike."""
+    groups = list(_by_domain().values())
+    return [g[i] for i in range(max(map(len, groups))) for g in groups if i < len(g)]
+
+
+def validation_prompts() -> list[tuple[str, list[dict]]]:
+    """The held-out prompts past each domain's first TEST_PER_DOMAIN: none of the test's."""
+    return [p for g in _by_domain().values() for p in g[TEST_PER_DOMAIN:]]
 
 
 def heldout_multiturn() -> list[tuple[str, list[dict]]]:

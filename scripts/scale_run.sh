@@ -6,6 +6,10 @@
 #                                       # records (extract.regenerate.completion) and open requests (Magpie
 #                                       # with no opening); `extract` then adds them to the data whole
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
+#   bash scripts/scale_run.sh valstore  # optional: the evaluation's 264 validation prompts (none of the 48 it
+#                                       # scores) answered by the target -> a store for train's --val-store;
+#                                       # then VAL_STORE=/dev/shm/val.zarr for `train`: the held-out curve and the
+#                                       # best checkpoint on prompts in the evaluation's formats
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
 #   bash scripts/scale_run.sh eval      # the served export (bf16) against the float32 target, 48 held-out prompts
@@ -25,7 +29,9 @@
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
 # with DIR its rejoined export), FORMAT_LIMIT and OPEN (the formats stage's completion prompts, default
 # all, and open requests invented, default 12000), GGUF (default: the packaged
-# model, found by importlib); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS (1000, 6, 48, 16384).
+# model, found by importlib); VAL_STORE (train's --val-store instead of --val-samples VAL; the valstore stage
+# writes /dev/shm/val.zarr); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS, VAL_LIMIT (1000, 6, 48,
+# 16384, 0 = all).
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail
 stage=$1
@@ -76,9 +82,10 @@ PY
   python3 -m cache_format inspect "$STORE" | head -n 30;;
 train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
+  held=(--val-samples "${VAL:-1000}"); [ -n "${VAL_STORE:-}" ] && held=(--val-store "$VAL_STORE")
   timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
     --store "$STORE" --out "$RUN" --max-steps "${STEPS:-7000}" --time-limit "${TLIM:-480}" --lr "${LR:-6e-4}" \
-    --token-budget "${TOKENS:-16384}" --val-samples "${VAL:-1000}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \
+    --token-budget "${TOKENS:-16384}" "${held[@]}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \
     $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1
   echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
@@ -108,6 +115,12 @@ formats)  # ~11K completion prompts from the 100K file (FORMAT_LIMIT caps them, 
       --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 2
   done
   wc -l "$W/completion.jsonl" "$W/open.jsonl";;
+valstore)  # answers of 256 tokens (val_decode_tau_96 reads the evaluation's 96-token window of them)
+  python3 -m cache_format prompts validation "$W/val_prompts.jsonl" || exit 1
+  python3 -m extract.regenerate --prompts "$W/val_prompts.jsonl" --limit "${VAL_LIMIT:-0}" --out "$W/val.jsonl" --max-new-tokens 256 \
+    --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 2
+  "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "${VSTORE:-/dev/shm/val.zarr}" \
+    --data "$W/val.jsonl" "${TARGET[@]}" ${EXTRACT_ARGS:-} --json 2>&1 | grep -v "tok/s]" | tail -n 3;;
 pack) pack;;
-*) echo "stage must be formats, extract, train, eval or pack" >&2; exit 2;;
+*) echo "stage must be formats, extract, valstore, train, eval or pack" >&2; exit 2;;
 esac

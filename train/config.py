@@ -134,11 +134,16 @@ class TrainConfig:
     anchor at every response position) are logged as val_*, and val_decode_tau: speculative
     decoding replayed along the stored responses (train.replay); the best val_decode_tau's weights
     are kept."""
+    val_store: str = ""
+    """A store (path or URL) of the same target and tapped layers whose every sample is held out: the
+    held-out evaluations read it instead of val_samples of the training store. For prompts in the
+    format the drafter will be served, answered by the target and kept out of the training data
+    (`scripts/scale_run.sh valstore` makes one from the evaluation's spare held-out prompts)."""
     val_every: int = 100
     """Steps between held-out evaluations (and one at the end)."""
     patience: int = 0
     """Stop once this many held-out evaluations in a row bring no new best val_decode_tau (0 = never);
-    needs val_samples. The best weights are kept either way (checkpoints/best-STEP)."""
+    needs val_samples or val_store. The best weights are kept either way (checkpoints/best-STEP)."""
     grad_reduce: str = "fp32"
     """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
     rounded to bf16 and summed in bf16). One rank: no effect."""
@@ -177,8 +182,10 @@ class TrainConfig:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.val_samples < 0 or self.val_every < 1:
             raise ValueError(f"val_samples must be >= 0 and val_every >= 1, got {self.val_samples}, {self.val_every}")
-        if self.patience < 0 or (self.patience and not self.val_samples):
-            raise ValueError(f"patience must be >= 0 and needs val_samples > 0, got {self.patience}")
+        if self.val_samples and self.val_store:
+            raise ValueError("give val_samples (held out of the training store) or val_store, not both")
+        if self.patience < 0 or (self.patience and not (self.val_samples or self.val_store)):
+            raise ValueError(f"patience must be >= 0 and needs val_samples > 0 or a val_store, got {self.patience}")
         if self.node_affine and self.follow:
             raise ValueError("node_affine splits a finished store's shards among nodes: not with follow")
         if self.val_samples and self.follow:

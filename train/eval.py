@@ -40,13 +40,13 @@ __all__ = ["evaluate"]
 
 def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
     if spec == "default":
-        from cache_format.prompts import domain_of, heldout_prompts
+        from cache_format.prompts import evaluation_prompts
 
-        # interleave the domains (math, code, chat) so a small --limit covers each alike
-        groups: dict[str, list] = {}
-        for p in heldout_prompts():
-            groups.setdefault(domain_of(p[0]), []).append(p)
-        prompts = [g[i] for i in range(max(map(len, groups.values()))) for g in groups.values() if i < len(g)]
+        prompts = evaluation_prompts()
+    elif spec == "validation":
+        from cache_format.prompts import validation_prompts
+
+        prompts = validation_prompts()
     elif spec == "multiturn":
         from cache_format.prompts import heldout_multiturn
 
@@ -243,9 +243,10 @@ def _teacher_forced_row(drafter, target, prompt: list[int], new: list[int], deco
               "checkpoint directory [default: best if the run validated, else latest].")
 @click.option("--export", default="", help="An exported directory: evaluated as served (bf16 weights, loaded by "
               "AutoModel with trust_remote_code), beside the checkpoint when --run is given too.")
-@click.option("--prompts", default="default", help="'default' (held-out GSM8K slice, HumanEval, chat set), "
-              "'multiturn' (24 two-turn chats: τ of the second turn, after the target's own first answer) or a "
-              "JSONL (multi-turn conversations: τ of the last turn).")
+@click.option("--prompts", default="default", help="'default' (held-out GSM8K slice, HumanEval, chat set, the "
+              "domains interleaved: --limit 48 is the test), 'validation' (the held-out prompts past each domain's "
+              "first 16: none of the test's), 'multiturn' (24 two-turn chats: τ of the second turn, after the "
+              "target's own first answer) or a JSONL (multi-turn conversations: τ of the last turn).")
 @click.option("--limit", default=0, help="Evaluate only the first N prompts (0 = all).")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--target", default="", help="Override the target path recorded in the run.")

@@ -24,7 +24,7 @@ from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
 __all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "draft_vocab_of", "drafter_config", "loss_settings",
-           "open_store", "run_record"]
+           "open_store", "open_val_store", "run_record"]
 
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
 # not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
@@ -116,6 +116,38 @@ def open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     if cfg.loss != "ce" and not reader.manifest.last_hidden:
         raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
     return reader
+
+
+def open_val_store(cfg: TrainConfig, train: StoreReader) -> StoreReader:
+    """--val-store, checked against the training store: finalized, intact, of the same target,
+    tokenizer, tapped layers and mask token (the drafter reads its taps by position and drafts with
+    the training store's frozen weights), and sharing no prompt with the training store."""
+    val = StoreReader(cfg.val_store, cache=cfg.cache_dir)
+    where = f"--val-store {cfg.val_store}"
+    if not val.finalized:
+        raise ValueError(f"{where}: store is not finalized (stage one still running or killed)")
+    damaged = check_checksums(val.root, only=CREATION_FILES)
+    if damaged:
+        raise ValueError(f"{where}/{damaged[0][0]}: {damaged[0][1]}; the store is damaged")
+    a, b = train.manifest, val.manifest
+    for what, mine, theirs in (("target weights", a.target.sha256, b.target.sha256),
+                               ("tokenizer files", a.tokenizer_sha256, b.tokenizer_sha256),
+                               ("tapped layers", list(a.layer_ids), list(b.layer_ids)),
+                               ("mask token ids", a.mask_token_id, b.mask_token_id)):
+        if mine != theirs:
+            raise ValueError(f"{where}: its {what} ({theirs}) differ from the training store's ({mine}); "
+                             "extract it with the same target and --layers")
+    if cfg.effective_kl_weight > 0 and not b.last_hidden:
+        raise ValueError(f"{where}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
+    if len(val) == 0:
+        raise ValueError(f"{where}: the store holds no samples")
+    keys, train_keys = val.prompt_keys(), train.prompt_keys()
+    if keys is not None and train_keys is not None:  # keys are content hashes: equal across stores
+        shared = np.intersect1d(keys[keys >= 0], train_keys[train_keys >= 0])
+        if len(shared):
+            raise ValueError(f"{where}: {len(shared)} of its prompts are in the training store too, so they are "
+                             "not held out; extract it from prompts the training data lacks")
+    return val
 
 
 def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> LossSettings:

@@ -38,6 +38,7 @@ from train.start import (
     drafter_config,
     loss_settings,
     open_store,
+    open_val_store,
     run_record,
 )
 from train.state import TrainState, any_rank_past
@@ -80,6 +81,7 @@ class Trainer:
                          if cfg.val_samples else None)
         except ValueError as e:
             raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
+        self.val_reader = open_val_store(cfg, self.reader) if cfg.val_store else None
         draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, self.reader, self.held, self.dc.vocab_size,
                                                         announce=self.rank == 0)
         if draft_ids is not None:
@@ -185,16 +187,16 @@ class Trainer:
         return steps, iter(dl)
 
     def _holdout_dataset(self) -> BatchDataset | None:
-        if self.held is None:
+        if self.val_reader is None and self.held is None:
             return None
-        r, held = self.reader, self.held
+        r = self.reader if self.val_reader is None else self.val_reader  # --val-store: every sample of it
+        held = self.held if self.val_reader is None else np.ones(len(r.sample_ids), dtype=bool)
         micro = plan_holdout(r.sample_ids[held], r.lengths()[held], r.buckets()[held],
                              token_budget=self.cfg.token_budget, ranks=self.world, rank=self.rank)
         # an anchor at every response position, so decoding can be replayed along the stored responses
         # (train.replay); the same blocks at every evaluation
         every = dataclasses.replace(self.collate, num_anchors=int(r.lengths()[held].max(initial=1)))
-        return BatchDataset(str(self.reader.root), micro, list(range(len(micro))), every, seed=self.cfg.seed,
-                            remote=self.reader.url,
+        return BatchDataset(str(r.root), micro, list(range(len(micro))), every, seed=self.cfg.seed, remote=r.url,
                             epoch=-1, verify_shards=self.cfg.check_shards)
 
     # ------------------------------------------------------------------ the steps

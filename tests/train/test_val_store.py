@@ -1,0 +1,67 @@
+"""--val-store: held-out evaluations read every sample of a second store (prompts in the served
+format, kept out of training), checked against the training store before the first step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from extract.config import ExtractConfig
+from extract.run import run as extract
+from tests.helpers import metric_rows, tiny_target_dir, train_cfg, write_chats
+from train.checkpoint import best_checkpoint
+from train.trainer import train
+
+
+def _extract(target, data, path, layers=(0, 2, 4)) -> str:
+    extract(ExtractConfig(store=str(path), target=target, data=data, layers=layers, max_len=256, min_supervised=4,
+                          token_budget=1024, rows_per_shard=256))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """(target, training store, its chats, a validation store of other chats)."""
+    d = tmp_path_factory.mktemp("val")
+    target = tiny_target_dir(d / "t", "qwen3")
+    chats = write_chats(d / "train.jsonl", 24, cyclic=True)
+    other = write_chats(d / "val.jsonl", 7, seed=5, cyclic=True)
+    return target, _extract(target, chats, d / "train.zarr"), chats, _extract(target, other, d / "val.zarr")
+
+
+def test_every_sample_of_the_val_store_is_scored_and_keeps_the_best(stores, tmp_path, monkeypatch):
+    import train.trainer as trainer
+    from cache_format import StoreReader
+
+    _, store, _, val = stores
+    seen = []
+    scored = trainer.evaluate_holdout
+
+    def spy(model, ds, *args, **kwargs):
+        seen.append((ds.store, sorted(sid for micro in ds.micro for sid in micro)))
+        return scored(model, ds, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "evaluate_holdout", spy)
+    train(train_cfg(store, tmp_path / "v", max_steps=30, val_store=val, val_every=10))
+    want = (str(StoreReader(val).root), sorted(StoreReader(val).sample_ids.tolist()))
+    assert seen == [want] * 3  # steps 10, 20, 30: all of the val store, nothing of the training store
+    rows = [r for r in metric_rows(tmp_path / "v") if "val_loss" in r]
+    assert [r["step"] for r in rows] == [10, 20, 30] and rows[-1]["val_loss"] < rows[0]["val_loss"]
+    top = max(rows, key=lambda r: r["val_decode_tau"])
+    state = json.loads((best_checkpoint(tmp_path / "v") / "state.json").read_text())
+    assert (state["step"], state["val_decode_tau"]) == (top["step"], top["val_decode_tau"])
+    assert state["config"]["val_store"] == val
+
+
+def test_a_val_store_that_does_not_fit_the_training_store_is_one_line(stores, tmp_path):
+    target, store, chats, val = stores
+    other_taps = _extract(target, write_chats(tmp_path / "o.jsonl", 4, seed=9), tmp_path / "o.zarr", layers=(0, 2))
+    with pytest.raises(ValueError, match=r"--val-store .*o\.zarr: its tapped layers \(\[0, 2\]\) differ from the "):
+        train(train_cfg(store, tmp_path / "a", max_steps=2, val_store=other_taps))
+    same_prompts = _extract(target, chats, tmp_path / "same.zarr")
+    with pytest.raises(ValueError, match=r"24 of its prompts are in the training store too"):
+        train(train_cfg(store, tmp_path / "b", max_steps=2, val_store=same_prompts))
+    with pytest.raises(ValueError, match="not both"):
+        train_cfg(store, tmp_path / "c", val_samples=4, val_store=val)
+    train_cfg(store, tmp_path / "d", patience=2, val_store=val)  # patience needs a held-out set: this is one
