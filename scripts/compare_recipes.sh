@@ -16,7 +16,8 @@
 # Settings (environment): VARIANTS ("name:train options" separated by ';'), STORE, W (work dir,
 # default /root/cmp), STEPS (cosine length, default 900: pick what every variant reaches within TLIM, or
 # the one that goes further had more training; the train stage warns), TLIM (seconds each may train, 420), VAL
-# (held-out samples, 500), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
+# (held-out samples, 500), VAL_STORE (train's --val-store instead: `scale_run.sh valstore` makes one of the
+# evaluation's 264 validation prompts; val_decode_tau_96 then ranks the variants on its formats), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
 # EVAL_ARGS (more train.eval options, e.g. --no-prompt-lookup: a third less evaluation time),
 # GGUF (the target for eval; default: the run's).
 set -uo pipefail
@@ -37,9 +38,10 @@ run_all() {  # run_all CMD...: CMD once per variant, in the background; $name an
   for p in "${pids[@]}"; do wait "$p"; done  # only the processes this script started
 }
 train_one() {
+  local held=(--val-samples "${VAL:-500}"); [ -n "${VAL_STORE:-}" ] && held=(--val-store "$VAL_STORE")
   # shellcheck disable=SC2086
   timeout $(( ${TLIM:-420} + 120 )) python3 -m train --config configs/smollm2-h200/train.toml --store "$STORE" \
-    --out "$W/$name" --max-steps "${STEPS:-900}" --time-limit "${TLIM:-420}" --val-samples "${VAL:-500}" \
+    --out "$W/$name" --max-steps "${STEPS:-900}" --time-limit "${TLIM:-420}" "${held[@]}" \
     --val-every 300 --checkpoint-every 300 --workers "${WORKERS:-3}" --compile $args
 }
 eval_one() {
@@ -57,7 +59,7 @@ train) run_all train_one
     last+=("$step")
     echo "$name: trained to step $step; last held-out:"
     grep val_decode_tau "$W/$name/metrics.jsonl" | tail -n 1 | python3 -c \
-      'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("step","val_loss","val_sim_tau","val_decode_tau")})'
+      'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("step","val_loss","val_sim_tau","val_decode_tau","val_decode_tau_96")})'
   done
   # a variant that ran further had more training: its τ is not comparable (rerun with fewer STEPS)
   if [ "$(printf '%s\n' "${last[@]}" | sort -u | wc -l)" -gt 1 ]; then
