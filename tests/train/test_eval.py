@@ -93,6 +93,10 @@ def _assert_replay_equals_decoding(target: str, run: str) -> None:
     held = BatchDataset(store, [ids], [0], every, seed=0, epoch=-1)  # all prompts in one padded batch
     row = evaluate_holdout(model, held, torch.device("cpu"), world=1, loss=loss)
     assert row["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6)
+    from train.replay_score import replay_score  # the command over any store: the same figure
+
+    got = replay_score(store, run=run, checkpoint=str(latest_checkpoint(run)), whole_head=False)
+    assert got["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6) and got["samples"] == len(ids)
 
 
 def test_replayed_decoding_tau_equals_real_decoding(trained):

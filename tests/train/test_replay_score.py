@@ -1,0 +1,34 @@
+"""python -m train.replay_score: an export scores as its checkpoint does (up to bf16 weights); a
+store it cannot read is one line. (Replayed τ equals real decoding: test_eval.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from train.checkpoint import load_checkpoint, resolve_checkpoint
+from train.export import export_run
+from train.replay_score import main, replay_score
+
+
+def test_an_export_scores_like_its_checkpoint_and_the_cli_prints_it(trained, tmp_path):
+    _, _, run = trained
+    store = load_checkpoint(resolve_checkpoint(run))[2]["store"]
+    ck = replay_score(store, run=run)
+    assert 1.5 < ck["val_decode_tau"] <= 4  # the overfit drafter is accepted (block 4)
+    out = export_run(run, str(tmp_path / "e"))
+    ex = replay_score(store, export=str(out))
+    assert ex["val_decode_tau"] == pytest.approx(ck["val_decode_tau"], rel=0.05)  # bf16 weights
+    res = CliRunner().invoke(main, ["--store", store, "--export", str(out), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["val_decode_tau"] == ex["val_decode_tau"]
+
+
+def test_a_store_the_drafter_cannot_read_is_one_line(trained, store, tmp_path):
+    _, _, run = trained
+    res = CliRunner().invoke(main, ["--store", store, "--run", run])  # the qwen3 store: another target
+    assert res.exit_code == 2 and res.output.startswith("error: ") and "another target" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match="--run .* or --export"):
+        replay_score(store)

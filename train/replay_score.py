@@ -1,0 +1,120 @@
+"""python -m train.replay_score: a drafter's decoding τ replayed on a store, without the target.
+
+    python -m train.replay_score --store /dev/shm/val.zarr --export runs/x/export
+    python -m train.replay_score --store val.zarr --run runs/x --checkpoint latest --json
+
+A store of the target's greedy answers holds everything speculative decoding would see: at each
+position the target's hidden states and its next token. One batched drafter forward with an anchor
+at every answer position gives each anchor's accepted length, and decoding's path follows from
+those (train.replay). The figures are `train --val-store`'s held-out row (val_decode_tau, over the
+first 96 answer tokens val_decode_tau_96, and the teacher-forced val_loss and val_sim_tau), over
+every sample of the store: a checkpoint or export scored in seconds on the prompts its store holds
+(e.g. `scripts/scale_run.sh valstore`'s), where `train.eval` decodes with the target for minutes.
+A checkpoint drafts from the target's whole lm_head, as its default export serves it (--draft-head:
+from its draft vocabulary); an export drafts as it is exported.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from cache_format import StoreReader
+from train.checkpoint import load_checkpoint, resolve_checkpoint
+from train.data import BatchDataset, CollateSettings, plan_holdout
+from train.export import as_whole_head, load_export
+from train.losses import Weighting, default_gamma
+from train.masks import use_flex_attention
+from train.model import DrafterConfig
+from train.start import build_drafter
+from train.step import LossSettings, evaluate_holdout
+
+__all__ = ["replay_score"]
+
+
+def _drafter_of(run: str, checkpoint: str, export: str, whole_head: bool) -> tuple[DrafterConfig, dict, list[int], str]:
+    """(config, weights, target layer ids, target sha256 or "") of a checkpoint or an export."""
+    if export:
+        try:
+            dc, weights, layer_ids = load_export(export)
+            sha = json.loads((Path(export) / "config.json").read_text()).get("draftcache_target", {}).get("sha256", "")
+        except Exception as e:  # noqa: BLE001 - json, safetensors and the config raise their own types
+            raise ValueError(f"{export}: not a readable export ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        return dc, weights, list(layer_ids), sha
+    weights, _, state = load_checkpoint(resolve_checkpoint(run, checkpoint))
+    if whole_head:
+        state, weights = as_whole_head(state, weights)
+    return DrafterConfig(**state["drafter"]), weights, list(state["layer_ids"]), state.get("target_sha256", "")
+
+
+def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str = "", whole_head: bool = True,
+                 token_budget: int = 8192, cache: str = "") -> dict[str, Any]:
+    """The held-out row of `train --val-store` for one drafter over every sample of `store`."""
+    if bool(run) == bool(export):
+        raise ValueError("give --run (a training run) or --export (an exported directory)")
+    dc, weights, layer_ids, sha = _drafter_of(run, checkpoint, export, whole_head)
+    reader = StoreReader(store, cache=cache)
+    m, what = reader.manifest, export or run
+    if not reader.finalized:
+        raise ValueError(f"{store}: store is not finalized (stage one still running or killed)")
+    if sha and sha != m.target.sha256:
+        raise ValueError(f"{store}: written by another target ({m.target.name}) than {what}'s")
+    missing = [i for i in layer_ids if i not in m.layer_ids]
+    if missing or dc.mask_token_id != m.mask_token_id:
+        raise ValueError(f"{store}: lacks what {what} reads (target layers {missing or 'present'}, mask token "
+                         f"{m.mask_token_id} vs {dc.mask_token_id})")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_drafter(dc, reader.frozen(), weights.get("draft_ids"))
+    model.load_state_dict({k: v for k, v in weights.items() if k != "draft_ids"}, strict=False)
+    model = model.to(device=device, dtype=torch.float32)
+    ids, lengths = reader.sample_ids, reader.lengths()
+    micro = plan_holdout(ids, lengths, reader.buckets(), token_budget=max(token_budget, int(lengths.max(initial=1))),
+                         ranks=1, rank=0)
+    settings = CollateSettings(tap_index=tuple(list(m.layer_ids).index(i) for i in layer_ids),
+                               num_stored_taps=len(m.layer_ids), num_anchors=int(lengths.max(initial=1)),
+                               block_size=dc.block_size, mask_token_id=dc.mask_token_id, with_last_hidden=False)
+    ds = BatchDataset(str(reader.root), micro, list(range(len(micro))), settings, seed=0, epoch=-1, remote=reader.url)
+    loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), weighting=Weighting(),
+                        use_flex=use_flex_attention("auto", device.type, dc.head_dim))
+    with torch.no_grad():
+        row = evaluate_holdout(model, ds, device, world=1, loss=loss)
+    return {**row, "samples": len(ids), "store": store, "drafter": what}
+
+
+@click.command()
+@click.option("--store", required=True, help="A store of the target's greedy answers (a path or URL).")
+@click.option("--run", default="", help="A training run directory (with --checkpoint).")
+@click.option("--checkpoint", default="", help="'best', 'latest' or a checkpoint directory [default: best if the "
+              "run validated, else latest].")
+@click.option("--export", default="", help="An exported directory (instead of --run).")
+@click.option("--whole-head/--draft-head", default=True, show_default=True,
+              help="A checkpoint trained with --draft-vocab drafts from the target's whole lm_head, as its default "
+              "export serves it, or from its draft vocabulary.")
+@click.option("--token-budget", default=8192, show_default=True, help="Tokens per forward.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, token_budget: int, as_json: bool) -> None:
+    """A drafter's decoding τ replayed along a store's answers (no target needed)."""
+    from cache_format import CacheFormatError
+
+    try:
+        res = replay_score(store, run=run, checkpoint=checkpoint, export=export, whole_head=whole_head,
+                           token_budget=token_budget)
+    except (CacheFormatError, ValueError, OSError) as e:
+        click.echo(f"error: {str(e).splitlines()[0]}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps(res))
+        return
+    click.echo(f"{res['drafter']} on {store} ({res['samples']} samples): val_decode_tau {res['val_decode_tau']:.3f}, "
+               f"first 96 tokens {res['val_decode_tau_96']:.3f}, val_sim_tau {res['val_sim_tau']:.3f}, "
+               f"val_loss {res['val_loss']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
