@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 import torch
 
 from cache_format import StoreReader
@@ -54,8 +55,9 @@ def _drafter_of(run: str, checkpoint: str, export: str, whole_head: bool) -> tup
 
 
 def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str = "", whole_head: bool = True,
-                 token_budget: int = 8192, cache: str = "") -> dict[str, Any]:
-    """The held-out row of `train --val-store` for one drafter over every sample of `store`."""
+                 token_budget: int = 8192, cache: str = "", samples: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The held-out row of `train --val-store` for one drafter over every sample of `store` (or the
+    sample ids `samples`)."""
     if bool(run) == bool(export):
         raise ValueError("give --run (a training run) or --export (an exported directory)")
     dc, weights, layer_ids, sha = _drafter_of(run, checkpoint, export, whole_head)
@@ -73,8 +75,12 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
     model = build_drafter(dc, reader.frozen(), weights.get("draft_ids"))
     model.load_state_dict({k: v for k, v in weights.items() if k != "draft_ids"}, strict=False)
     model = model.to(device=device, dtype=torch.float32)
-    ids, lengths = reader.sample_ids, reader.lengths()
-    micro = plan_holdout(ids, lengths, reader.buckets(), token_budget=max(token_budget, int(lengths.max(initial=1))),
+    keep = np.isin(reader.sample_ids, samples) if samples else np.ones(len(reader.sample_ids), dtype=bool)
+    unknown = sorted(set(samples) - set(reader.sample_ids.tolist()))
+    if unknown:
+        raise ValueError(f"{store}: holds no sample {unknown[0]}")
+    ids, lengths = reader.sample_ids[keep], reader.lengths()[keep]
+    micro = plan_holdout(ids, lengths, reader.buckets()[keep], token_budget=max(token_budget, int(lengths.max(initial=1))),
                          ranks=1, rank=0)
     settings = CollateSettings(tap_index=tuple(list(m.layer_ids).index(i) for i in layer_ids),
                                num_stored_taps=len(m.layer_ids), num_anchors=int(lengths.max(initial=1)),
@@ -96,15 +102,21 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
 @click.option("--whole-head/--draft-head", default=True, show_default=True,
               help="A checkpoint trained with --draft-vocab drafts from the target's whole lm_head, as its default "
               "export serves it, or from its draft vocabulary.")
+@click.option("--samples", default="", help="Score only these sample ids (comma-separated), e.g. one source's.")
 @click.option("--token-budget", default=8192, show_default=True, help="Tokens per forward.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, token_budget: int, as_json: bool) -> None:
+def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, samples: str, token_budget: int,
+         as_json: bool) -> None:
     """A drafter's decoding τ replayed along a store's answers (no target needed)."""
     from cache_format import CacheFormatError
 
     try:
+        ids = tuple(int(x) for x in samples.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"not a comma-separated list of sample ids: {samples!r}", param_hint="--samples") from None
+    try:
         res = replay_score(store, run=run, checkpoint=checkpoint, export=export, whole_head=whole_head,
-                           token_budget=token_budget)
+                           token_budget=token_budget, samples=ids)
     except (CacheFormatError, ValueError, OSError) as e:
         click.echo(f"error: {str(e).splitlines()[0]}", err=True)
         sys.exit(2)

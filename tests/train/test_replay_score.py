@@ -23,6 +23,10 @@ def test_an_export_scores_like_its_checkpoint_and_the_cli_prints_it(trained, tmp
     assert ex["val_decode_tau"] == pytest.approx(ck["val_decode_tau"], rel=0.05)  # bf16 weights
     res = CliRunner().invoke(main, ["--store", store, "--export", str(out), "--json"])
     assert res.exit_code == 0 and json.loads(res.output)["val_decode_tau"] == ex["val_decode_tau"]
+    # --samples: a subset scores as a store of only those samples would: by token and forward sums
+    parts = [replay_score(store, run=run, samples=s) for s in ((0, 1, 2), (3, 4, 5))]
+    assert [p["samples"] for p in parts] == [3, 3]
+    assert min(p["val_decode_tau"] for p in parts) <= ck["val_decode_tau"] <= max(p["val_decode_tau"] for p in parts)
 
 
 def test_a_store_the_drafter_cannot_read_is_one_line(trained, store, tmp_path):
@@ -32,3 +36,5 @@ def test_a_store_the_drafter_cannot_read_is_one_line(trained, store, tmp_path):
     assert len(res.output.strip().splitlines()) == 1
     with pytest.raises(ValueError, match="--run .* or --export"):
         replay_score(store)
+    with pytest.raises(ValueError, match="holds no sample 99"):
+        replay_score(load_checkpoint(resolve_checkpoint(run))[2]["store"], run=run, samples=(0, 99))
