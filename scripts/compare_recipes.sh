@@ -38,7 +38,7 @@ run_all() {  # run_all CMD...: CMD once per variant, in the background; $name an
   for p in "${pids[@]}"; do wait "$p"; done  # only the processes this script started
 }
 train_one() {
-  local held=(--val-samples "${VAL:-500}"); [ -n "${VAL_STORE:-}" ] && held=(--val-store "$VAL_STORE")
+  local held=(--val-samples "${VAL:-500}"); [ -n "${VAL_STORE:-}" ] && held=(--val-samples 0 --val-store "$VAL_STORE")
   # shellcheck disable=SC2086
   timeout $(( ${TLIM:-420} + 120 )) python3 -m train --config configs/smollm2-h200/train.toml --store "$STORE" \
     --out "$W/$name" --max-steps "${STEPS:-900}" --time-limit "${TLIM:-420}" "${held[@]}" \

@@ -82,7 +82,7 @@ PY
   python3 -m cache_format inspect "$STORE" | head -n 30;;
 train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
-  held=(--val-samples "${VAL:-1000}"); [ -n "${VAL_STORE:-}" ] && held=(--val-store "$VAL_STORE")
+  held=(--val-samples "${VAL:-1000}"); [ -n "${VAL_STORE:-}" ] && held=(--val-samples 0 --val-store "$VAL_STORE")
   timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
     --store "$STORE" --out "$RUN" --max-steps "${STEPS:-7000}" --time-limit "${TLIM:-480}" --lr "${LR:-6e-4}" \
     --token-budget "${TOKENS:-16384}" "${held[@]}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \

@@ -183,7 +183,8 @@ class TrainConfig:
         if self.val_samples < 0 or self.val_every < 1:
             raise ValueError(f"val_samples must be >= 0 and val_every >= 1, got {self.val_samples}, {self.val_every}")
         if self.val_samples and self.val_store:
-            raise ValueError("give val_samples (held out of the training store) or val_store, not both")
+            raise ValueError("give val_samples (held out of the training store) or val_store, not both (--val-samples 0 "
+                             "beside --val-store where a config file sets val_samples)")
         if self.patience < 0 or (self.patience and not (self.val_samples or self.val_store)):
             raise ValueError(f"patience must be >= 0 and needs val_samples > 0 or a val_store, got {self.patience}")
         if self.node_affine and self.follow:
