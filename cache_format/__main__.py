@@ -123,7 +123,9 @@ def show(store: str, sample_id: int) -> None:
 @cli.command()
 @click.argument("which", type=click.Choice(["validation", "evaluation", "train"]))
 @click.argument("out", type=click.Path())
-def prompts(which: str, out: str) -> None:
+@click.option("--per-domain", default=0, show_default=True, help="validation: only the first N prompts of each "
+              "domain (32: the evaluation's even mix); 0 = all 264.")
+def prompts(which: str, out: str, per_domain: int) -> None:
     """Write a packaged prompt set as conversations (JSONL, user turns only) for extract.regenerate:
     validation (the held-out prompts the evaluation's test leaves: for `train --val-store`), evaluation
     (every held-out prompt, the test first) or train (GSM8K minus held-out, GPQA, AIME)."""
@@ -133,7 +135,9 @@ def prompts(which: str, out: str) -> None:
     from cache_format.prompts import evaluation_prompts, train_prompts, validation_prompts
 
     try:
-        convs = {"validation": validation_prompts, "evaluation": evaluation_prompts,
+        if per_domain < 0 or (per_domain and which != "validation"):
+            raise ValueError(f"--per-domain must be >= 0 and goes with the validation set, got {per_domain} for {which}")
+        convs = {"validation": lambda: validation_prompts(per_domain), "evaluation": evaluation_prompts,
                  "train": lambda: [("", m) for m in train_prompts()]}[which]()
     except ValueError as e:  # a package that is not installed
         _fail(e)

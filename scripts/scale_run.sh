@@ -6,8 +6,8 @@
 #                                       # records (extract.regenerate.completion) and open requests (Magpie
 #                                       # with no opening); `extract` then adds them to the data whole
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
-#   bash scripts/scale_run.sh valstore  # optional: the evaluation's 264 validation prompts (none of the 48 it
-#                                       # scores) answered by the target -> a store for train's --val-store;
+#   bash scripts/scale_run.sh valstore  # optional: 32 a domain of the evaluation's 264 validation prompts (none
+#                                       # of the 48 it scores) answered by the target -> a store for train's --val-store;
 #                                       # then VAL_STORE=/dev/shm/val.zarr for `train`: the held-out curve and the
 #                                       # best checkpoint on prompts in the evaluation's formats
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
@@ -30,7 +30,7 @@
 # with DIR its rejoined export), FORMAT_LIMIT and OPEN (the formats stage's completion prompts, default
 # all, and open requests invented, default 12000), GGUF (default: the packaged
 # model, found by importlib); VAL_STORE (train's --val-store instead of --val-samples VAL; the valstore stage
-# writes /dev/shm/val.zarr); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS, VAL_LIMIT (1000, 6, 48,
+# writes /dev/shm/val.zarr of VAL_PER_DOMAIN prompts a domain, default 32, 0 = all 264); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS, VAL_LIMIT (1000, 6, 48,
 # 16384, 0 = all).
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail
@@ -116,7 +116,8 @@ formats)  # ~11K completion prompts from the 100K file (FORMAT_LIMIT caps them, 
   done
   wc -l "$W/completion.jsonl" "$W/open.jsonl";;
 valstore)  # answers of 256 tokens (val_decode_tau_96 reads the evaluation's 96-token window of them)
-  python3 -m cache_format prompts validation "$W/val_prompts.jsonl" || exit 1
+  # 32 a domain: the evaluation's even mix (all 264 are 57% code, and a pooled τ over them is mostly code's)
+  python3 -m cache_format prompts validation "$W/val_prompts.jsonl" --per-domain "${VAL_PER_DOMAIN:-32}" || exit 1
   python3 -m extract.regenerate --prompts "$W/val_prompts.jsonl" --limit "${VAL_LIMIT:-0}" --out "$W/val.jsonl" --max-new-tokens 256 \
     --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 2
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "${VSTORE:-/dev/shm/val.zarr}" \

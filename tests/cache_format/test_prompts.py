@@ -23,6 +23,8 @@ def test_the_validation_set_is_the_held_out_set_less_the_test():
     for dom in ("math", "code", "chat"):  # the test is each domain's first prompts: the rest validate
         mine = [n for n in every if domain_of(n) == dom]
         assert [n for n in test if domain_of(n) == dom] == mine[:TEST_PER_DOMAIN]
+        even = [n for n, _ in validation_prompts(32) if domain_of(n) == dom]
+        assert even == mine[TEST_PER_DOMAIN:TEST_PER_DOMAIN + 32]
 
 
 def test_the_cli_writes_a_set_that_regeneration_reads(tmp_path):
@@ -36,3 +38,7 @@ def test_the_cli_writes_a_set_that_regeneration_reads(tmp_path):
     assert [json.loads(x)["name"] for x in out.read_text().splitlines()] == [n for n, _ in validation_prompts()]
     assert [n for n, _ in _prompts("validation", 0)] == [n for n, _ in validation_prompts()]
     assert _prompts("default", 48) == evaluation_prompts()[:48]
+    res = CliRunner().invoke(cli, ["prompts", "validation", str(out), "--per-domain", "32"])
+    assert res.exit_code == 0 and "96 validation prompts" in res.output and len(out.read_text().splitlines()) == 96
+    res = CliRunner().invoke(cli, ["prompts", "train", str(out), "--per-domain", "3"])
+    assert res.exit_code == 2 and res.output.count("\n") == 1 and "--per-domain" in res.output
