@@ -19,7 +19,8 @@ from cache_format.codec import dequantize
 from train.anchors import IGNORE, build_blocks, sample_anchors
 from train.replay import anchor_spans
 
-__all__ = ["BatchDataset", "CollateSettings", "collate", "holdout_mask", "node_shares", "plan_epoch", "plan_holdout", "to_device"]
+__all__ = ["BatchDataset", "CollateSettings", "collate", "holdout_mask", "node_shares", "plan_epoch", "plan_holdout", "replay_dataset",
+           "to_device"]
 
 
 def _micro_batches(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, token_budget: int,
@@ -159,6 +160,20 @@ class BatchDataset(torch.utils.data.Dataset):
         # a quantized store's states stay quantized until to_device: fewer bytes to pin and copy, and the
         # dequantization runs on the GPU, not in this worker (3/4 of its time on a CPU, docs/benchmarks/)
         return collate(self._reader.get_batch(self.micro[i], quant_bits=True), generator=g, **self.kw)
+
+
+
+def replay_dataset(reader: StoreReader, rows: np.ndarray, settings: CollateSettings, *, token_budget: int,
+                   ranks: int, rank: int, seed: int, verify_shards: bool = False) -> BatchDataset:
+    """This rank's micro-batches of `reader`'s samples where `rows` (bool [len(reader)]) is set, with
+    an anchor at every response position, so decoding can be replayed along the stored responses
+    (train.replay); the same blocks at every evaluation."""
+    lengths = reader.lengths()[rows]
+    micro = plan_holdout(reader.sample_ids[rows], lengths, reader.buckets()[rows], token_budget=token_budget,
+                         ranks=ranks, rank=rank)
+    every = dataclasses.replace(settings, num_anchors=int(lengths.max(initial=1)))
+    return BatchDataset(str(reader.root), micro, list(range(len(micro))), every, seed=seed, remote=reader.url,
+                        epoch=-1, verify_shards=verify_shards)
 
 
 def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors: int, block_size: int,

@@ -171,16 +171,24 @@ def load_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list
     return dc, from_export_names(load_file(str(Path(path) / "model.safetensors"))), cfg["dflash_config"]["target_layer_ids"]
 
 
+def read_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list[int]]:
+    """load_export, where a directory that is not a readable export is one ValueError naming it."""
+    if not (Path(path) / "config.json").is_file() or not (Path(path) / "model.safetensors").is_file():
+        raise ValueError(f"{path}: not an exported drafter (config.json and model.safetensors)")
+    try:
+        return load_export(path)
+    except Exception as e:  # noqa: BLE001 - json, safetensors and the config raise their own types
+        raise ValueError(f"{path}: unreadable export ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+
+
 def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[str, torch.Tensor]:
     """The float32 weights of an exported drafter for a run whose drafter is `dc` on taps `layer_ids`
     (train --init-from); ValueError in one line naming what differs."""
-    if not (Path(path) / "config.json").is_file() or not (Path(path) / "model.safetensors").is_file():
-        raise ValueError(f"--init-from {path}: not an exported drafter (config.json and model.safetensors)")
     try:
-        theirs, weights, their_ids = load_export(path)
-    except Exception as e:  # noqa: BLE001 - json, safetensors and the config raise their own types
-        raise ValueError(f"--init-from {path}: unreadable export ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        theirs, weights, their_ids = read_export(path)
+    except ValueError as e:
+        raise ValueError(f"--init-from {e}") from None
     # a whole-head export (draft_vocab_size 0, no draft_ids) starts a run with any draft vocabulary:
     # its head is the target's, and the run takes its own rows of it
     diffs = [f"{k} {v} vs {getattr(dc, k)}" for k, v in theirs.to_dict().items()

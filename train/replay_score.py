@@ -27,8 +27,8 @@ import torch
 
 from cache_format import StoreReader
 from train.checkpoint import load_checkpoint, resolve_checkpoint
-from train.data import BatchDataset, CollateSettings, plan_holdout
-from train.export import as_whole_head, load_export
+from train.data import CollateSettings, replay_dataset
+from train.export import as_whole_head, read_export
 from train.losses import Weighting, default_gamma
 from train.masks import use_flex_attention
 from train.model import DrafterConfig
@@ -41,12 +41,8 @@ __all__ = ["replay_score"]
 def _drafter_of(run: str, checkpoint: str, export: str, whole_head: bool) -> tuple[DrafterConfig, dict, list[int], str]:
     """(config, weights, target layer ids, target sha256 or "") of a checkpoint or an export."""
     if export:
-        try:
-            dc, weights, layer_ids = load_export(export)
-            sha = json.loads((Path(export) / "config.json").read_text()).get("draftcache_target", {}).get("sha256", "")
-        except Exception as e:  # noqa: BLE001 - json, safetensors and the config raise their own types
-            raise ValueError(f"{export}: not a readable export ({type(e).__name__}: "
-                             f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+        dc, weights, layer_ids = read_export(export)
+        sha = json.loads((Path(export) / "config.json").read_text()).get("draftcache_target", {}).get("sha256", "")
         return dc, weights, list(layer_ids), sha
     weights, _, state = load_checkpoint(resolve_checkpoint(run, checkpoint))
     if whole_head:
@@ -79,18 +75,16 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
     unknown = sorted(set(samples) - set(reader.sample_ids.tolist()))
     if unknown:
         raise ValueError(f"{store}: holds no sample {unknown[0]}")
-    ids, lengths = reader.sample_ids[keep], reader.lengths()[keep]
-    micro = plan_holdout(ids, lengths, reader.buckets()[keep], token_budget=max(token_budget, int(lengths.max(initial=1))),
-                         ranks=1, rank=0)
     settings = CollateSettings(tap_index=tuple(list(m.layer_ids).index(i) for i in layer_ids),
-                               num_stored_taps=len(m.layer_ids), num_anchors=int(lengths.max(initial=1)),
+                               num_stored_taps=len(m.layer_ids), num_anchors=1,  # replay_dataset: every position
                                block_size=dc.block_size, mask_token_id=dc.mask_token_id, with_last_hidden=False)
-    ds = BatchDataset(str(reader.root), micro, list(range(len(micro))), settings, seed=0, epoch=-1, remote=reader.url)
+    longest = int(reader.lengths()[keep].max(initial=1))
+    ds = replay_dataset(reader, keep, settings, token_budget=max(token_budget, longest), ranks=1, rank=0, seed=0)
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), weighting=Weighting(),
                         use_flex=use_flex_attention("auto", device.type, dc.head_dim))
     with torch.no_grad():
         row = evaluate_holdout(model, ds, device, world=1, loss=loss)
-    return {**row, "samples": len(ids), "store": store, "drafter": what}
+    return {**row, "samples": int(keep.sum()), "store": store, "drafter": what}
 
 
 @click.command()

@@ -101,6 +101,14 @@ def best_state(ck: Path) -> dict[str, Any]:
     return state
 
 
+def _check_creation_files(reader: StoreReader, store: str) -> None:
+    """The files written when the store was made (frozen weights, prompt keys, manifest, tokenizer) intact."""
+    damaged = check_checksums(reader.root, only=CREATION_FILES)
+    if damaged:
+        raise ValueError(f"{store}/{damaged[0][0]}: {damaged[0][1]}; the store is damaged "
+                         f"(python -m cache_format verify {store} lists every problem)")
+
+
 def open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     """The store, checked: finalized (unless following), creation files intact, holding what the loss needs."""
     if cfg.follow:  # started beside stage one: the store may not exist yet (here or on the object server)
@@ -109,10 +117,7 @@ def open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
                          "pass --follow to train while it is written")
-    damaged = check_checksums(reader.root, only=CREATION_FILES)  # the frozen weights, prompt keys, manifest
-    if damaged:
-        raise ValueError(f"{cfg.store}/{damaged[0][0]}: {damaged[0][1]}; the store is damaged "
-                         f"(python -m cache_format verify {cfg.store} lists every problem)")
+    _check_creation_files(reader, cfg.store)
     if cfg.loss != "ce" and not reader.manifest.last_hidden:
         raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
     return reader
@@ -126,9 +131,7 @@ def open_val_store(cfg: TrainConfig, train: StoreReader) -> StoreReader:
     where = f"--val-store {cfg.val_store}"
     if not val.finalized:
         raise ValueError(f"{where}: store is not finalized (stage one still running or killed)")
-    damaged = check_checksums(val.root, only=CREATION_FILES)
-    if damaged:
-        raise ValueError(f"{where}/{damaged[0][0]}: {damaged[0][1]}; the store is damaged")
+    _check_creation_files(val, cfg.val_store)
     a, b = train.manifest, val.manifest
     for what, mine, theirs in (("target weights", a.target.sha256, b.target.sha256),
                                ("tokenizer files", a.tokenizer_sha256, b.tokenizer_sha256),

@@ -23,7 +23,7 @@ from cache_format.lock import StoreLock
 from cache_format.world import World
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint, set_aside_after
 from train.config import TrainConfig
-from train.data import BatchDataset, CollateSettings, holdout_mask, node_shares, plan_epoch, plan_holdout, to_device
+from train.data import BatchDataset, CollateSettings, holdout_mask, node_shares, plan_epoch, replay_dataset, to_device
 from train.data_parallel import data_parallel
 from train.export import start_weights
 from train.follow import StoreView, WriterWatch, agree_view, view_of
@@ -191,13 +191,8 @@ class Trainer:
             return None
         r = self.reader if self.val_reader is None else self.val_reader  # --val-store: every sample of it
         held = self.held if self.val_reader is None else np.ones(len(r.sample_ids), dtype=bool)
-        micro = plan_holdout(r.sample_ids[held], r.lengths()[held], r.buckets()[held],
-                             token_budget=self.cfg.token_budget, ranks=self.world, rank=self.rank)
-        # an anchor at every response position, so decoding can be replayed along the stored responses
-        # (train.replay); the same blocks at every evaluation
-        every = dataclasses.replace(self.collate, num_anchors=int(r.lengths()[held].max(initial=1)))
-        return BatchDataset(str(r.root), micro, list(range(len(micro))), every, seed=self.cfg.seed, remote=r.url,
-                            epoch=-1, verify_shards=self.cfg.check_shards)
+        return replay_dataset(r, held, self.collate, token_budget=self.cfg.token_budget, ranks=self.world,
+                              rank=self.rank, seed=self.cfg.seed, verify_shards=self.cfg.check_shards)
 
     # ------------------------------------------------------------------ the steps
     def train_step(self, batches) -> None:

@@ -4,6 +4,7 @@ format, kept out of training), checked against the training store before the fir
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -61,6 +62,13 @@ def test_a_val_store_that_does_not_fit_the_training_store_is_one_line(stores, tm
         train(train_cfg(store, tmp_path / "a", max_steps=2, val_store=other_taps))
     with pytest.raises(ValueError, match=r"24 of its prompts are in the training store too"):  # itself, say
         train(train_cfg(store, tmp_path / "b", max_steps=2, val_store=store))
+    damaged = tmp_path / "damaged.zarr"
+    shutil.copytree(val, damaged)
+    weights = bytearray((damaged / "frozen.safetensors").read_bytes())
+    weights[len(weights) // 2] ^= 1
+    (damaged / "frozen.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(ValueError, match=r"damaged\.zarr/frozen\.safetensors: .*the store is damaged"):
+        train(train_cfg(store, tmp_path / "e", max_steps=2, val_store=str(damaged)))
     with pytest.raises(ValueError, match="not both"):
         train_cfg(store, tmp_path / "c", val_samples=4, val_store=val)
     train_cfg(store, tmp_path / "d", patience=2, val_store=val)  # patience needs a held-out set: this is one
