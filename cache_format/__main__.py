@@ -139,7 +139,7 @@ def prompts(which: str, out: str, per_domain: int) -> None:
             raise ValueError(f"--per-domain must be >= 0 and goes with the validation set, got {per_domain} for {which}")
         convs = {"validation": lambda: validation_prompts(per_domain), "evaluation": evaluation_prompts,
                  "train": lambda: [("", m) for m in train_prompts()]}[which]()
-    except ValueError as e:  # a package that is not installed
+    except ValueError as e:  # a bad --per-domain, or a package that is not installed
         _fail(e)
     lines = [json.dumps({"messages": m, **({"name": name} if name else {})}, ensure_ascii=False) for name, m in convs]
     atomic_write_bytes(out, ("\n".join(lines) + "\n").encode())

@@ -15,9 +15,10 @@
 #   VARIANTS="bf16:--store /dev/shm/bf16.zarr;mxfp4:--store /dev/shm/mx.zarr" bash scripts/compare_recipes.sh train
 # Settings (environment): VARIANTS ("name:train options" separated by ';'), STORE, W (work dir,
 # default /root/cmp), STEPS (cosine length, default 900: pick what every variant reaches within TLIM, or
-# the one that goes further had more training; the train stage warns), TLIM (seconds each may train, 420), VAL
-# (held-out samples, 500), VAL_STORE (train's --val-store instead: `scale_run.sh valstore` makes one of 32 a
-# domain of the evaluation's validation prompts; val_decode_tau_96 then ranks the variants on its formats), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
+# the one that goes further had more training; the train stage warns), TLIM (seconds each may train,
+# 420), VAL (held-out samples, 500), VAL_STORE (train's --val-store instead: `scale_run.sh valstore`
+# makes one of 32 a domain of the evaluation's validation prompts; val_decode_tau_96 then ranks the
+# variants on its formats), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
 # EVAL_ARGS (more train.eval options, e.g. --no-prompt-lookup: a third less evaluation time),
 # GGUF (the target for eval; default: the run's).
 set -uo pipefail

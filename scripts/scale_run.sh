@@ -6,10 +6,10 @@
 #                                       # records (extract.regenerate.completion) and open requests (Magpie
 #                                       # with no opening); `extract` then adds them to the data whole
 #   bash scripts/scale_run.sh extract   # the committed 100K-sample recipe data -> fp8 store in /dev/shm
-#   bash scripts/scale_run.sh valstore  # optional: 32 a domain of the evaluation's 264 validation prompts (none
-#                                       # of the 48 it scores) answered by the target -> a store for train's --val-store;
-#                                       # then VAL_STORE=/dev/shm/val.zarr for `train`: the held-out curve and the
-#                                       # best checkpoint on prompts in the evaluation's formats
+#   bash scripts/scale_run.sh valstore  # optional: 32 a domain of the evaluation's 264 validation prompts
+#                                       # (none of the 48 it scores) answered by the target -> a store for
+#                                       # train's --val-store; then VAL_STORE=/dev/shm/val.zarr for `train`: the
+#                                       # held-out curve and the best checkpoint on the evaluation's formats
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
 #   bash scripts/scale_run.sh eval      # the served export (bf16) against the float32 target, 48 held-out prompts
@@ -29,9 +29,9 @@
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
 # with DIR its rejoined export), FORMAT_LIMIT and OPEN (the formats stage's completion prompts, default
 # all, and open requests invented, default 12000), GGUF (default: the packaged
-# model, found by importlib); VAL_STORE (train's --val-store instead of --val-samples VAL; the valstore stage
-# writes /dev/shm/val.zarr of VAL_PER_DOMAIN prompts a domain, default 32, 0 = all 264); for a CPU dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS, VAL_LIMIT (1000, 6, 48,
-# 16384, 0 = all).
+# model, found by importlib); VAL_STORE (train's --val-store instead of --val-samples VAL; the valstore
+# stage writes /dev/shm/val.zarr of VAL_PER_DOMAIN prompts a domain, default 32, 0 = all 264); for a CPU
+# dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS, VAL_LIMIT (1000, 6, 48, 16384, 0 = all).
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail
 stage=$1
