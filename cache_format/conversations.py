@@ -9,12 +9,13 @@ Accepted records, one per line:
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["BadRecord", "TURNS", "history", "jsonl_lines", "jsonl_records", "read_conversations", "segments"]
+__all__ = ["BadRecord", "TURNS", "history", "jsonl_lines", "jsonl_records", "prompt_key", "read_conversations", "segments"]
 
 TURNS = ("all", "first")
 
@@ -142,3 +143,14 @@ def history(segs: list[list[dict]], answers: list[str]) -> list[dict]:
     for seg, ans in zip(segs, answers):
         out += seg + [{"role": "assistant", "content": ans}]
     return out + segs[len(answers)]
+
+
+def prompt_key(messages: list[dict[str, str]]) -> int:
+    """A 63-bit key of a conversation's prompt: its messages before the first assistant turn."""
+    head = []
+    for m in messages:
+        if m["role"] == "assistant":
+            break
+        head.append([m["role"], m["content"]])
+    digest = hashlib.sha256(json.dumps(head, ensure_ascii=False).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -12,9 +10,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from cache_format.conversations import BadRecord, read_conversations
+from cache_format.conversations import BadRecord, prompt_key, read_conversations
 
-__all__ = ["BadRecord", "Rendered", "prompt_key", "read_conversations", "render", "render_many"]
+__all__ = ["BadRecord", "Rendered", "read_conversations", "render", "render_many"]
 
 
 @dataclass(frozen=True)
@@ -27,17 +25,6 @@ class Rendered:
     truncated: bool
     prompt_key: int
     """prompt_key(messages): equal for responses to one prompt."""
-
-
-def prompt_key(messages: list[dict[str, str]]) -> int:
-    """A 63-bit key of a conversation's prompt: its messages before the first assistant turn."""
-    head = []
-    for m in messages:
-        if m["role"] == "assistant":
-            break
-        head.append([m["role"], m["content"]])
-    digest = hashlib.sha256(json.dumps(head, ensure_ascii=False).encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def render(sample_id: int, messages: list[dict[str, str]], tokenizer, *, max_len: int,

@@ -182,14 +182,3 @@ def test_no_chat_template(tok):
     t.chat_template = None
     with pytest.raises(BadRecord, match="no chat template"):
         render(0, [{"role": "assistant", "content": "x"}], t, max_len=10)
-
-
-def test_prompt_key_is_the_prompt_not_the_answer():
-    from extract.data import prompt_key
-
-    q = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
-    a, b = q + [{"role": "assistant", "content": "4"}], q + [{"role": "assistant", "content": "four"}]
-    assert prompt_key(a) == prompt_key(b) == prompt_key(q)
-    assert prompt_key(a) != prompt_key([q[1], a[2]])  # the system turn is part of the prompt
-    assert prompt_key(a) != prompt_key([q[0], {"role": "user", "content": "2+3?"}, a[2]])
-    assert 0 <= prompt_key(a) < 2**63
