@@ -16,9 +16,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from cache_format.conversations import jsonl_records
+from cache_format.conversations import jsonl_records, prompt_key
 
-__all__ = ["DOMAINS", "HELDOUT_GSM8K", "TEST_PER_DOMAIN", "domain_of", "heldout_multiturn", "heldout_prompts",
+__all__ = ["DOMAINS", "HELDOUT_GSM8K", "TEST_PER_DOMAIN", "domain_of", "heldout_domains", "heldout_multiturn", "heldout_prompts",
            "heldout_user_texts", "evaluation_prompts", "train_prompts", "validation_prompts"]
 
 HELDOUT_GSM8K = 100
@@ -93,6 +93,14 @@ def validation_prompts(per_domain: int = 0) -> list[tuple[str, list[dict]]]:
     only the first that many of each domain (32: the test's even mix; the set holds 84 math, 148
     code and 32 chat prompts, so a replayed τ over all of it is mostly code's)."""
     return [p for g in _by_domain().values() for p in g[TEST_PER_DOMAIN:][:per_domain or None]]
+
+
+def heldout_domains(keys) -> list[str]:
+    """The domain (DOMAINS) of each prompt key (cache_format.conversations.prompt_key, what a store
+    holds per sample) that is a single-turn held-out prompt's, "" for any other: which answers of a
+    validation store (`prompts validation`, answered and extracted) are math, code and chat."""
+    known = {prompt_key(m): domain_of(name) for name, m in heldout_prompts()}
+    return [known.get(int(k), "") for k in keys]
 
 
 def heldout_multiturn() -> list[tuple[str, list[dict]]]:

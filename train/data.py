@@ -179,7 +179,7 @@ def replay_dataset(reader: StoreReader, rows: np.ndarray, settings: CollateSetti
 def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors: int, block_size: int,
             mask_token_id: int, generator: torch.Generator, with_last_hidden: bool) -> dict[str, torch.Tensor]:
     """Pad a micro-batch into the batch keys: "hidden" [b, T, K'*H] (the taps chosen by tap_index),
-    "anchors" [b, N] and "anchor_span" [b, N] (the response span of each anchor, -1 for padding),
+    "sample_id" [b], "anchors" [b, N] and "anchor_span" [b, N] (the response span of each anchor, -1 for padding),
     "block_ids"/"block_pos"/"labels" [b, N*bs], "ctx_len" [b], and with
     with_last_hidden "block_last_hidden" [b, N*bs, H] (the target's final state that teaches each slot).
 
@@ -217,7 +217,8 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
             # slot k (token p+k) is taught by the target's final state at p+k-1
             block_last[j, :m] = s.last_hidden[(bp - 1).clamp(min=0, max=L - 1)]
     out = {"hidden": hidden, "ctx_len": torch.tensor([len(s.input_ids) for s in samples]), "anchors": anchors,
-           "anchor_span": spans, "block_ids": ids, "block_pos": pos, "labels": labels}
+           "anchor_span": spans, "block_ids": ids, "block_pos": pos, "labels": labels,
+           "sample_id": torch.tensor([s.sample_id for s in samples], dtype=torch.long)}
     if block_last is not None:
         out["block_last_hidden"] = block_last
     if scales is not None:

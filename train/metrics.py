@@ -111,6 +111,10 @@ def plot_metrics(run: str | os.PathLike) -> list[Path]:
             pts = [(r["step"], r[k]) for r in rows if k in r]  # held-out rows are their own lines
             if pts:
                 ax.plot(*zip(*pts), label=name, marker="o" if k.startswith("val_") else None)
+        by = "val_decode_tau_96_by_domain"  # a validation store of the evaluation's prompts: one line a domain
+        for d in (dict.fromkeys(g for r in rows for g in r.get(by, {})) if key == "sim_tau" else ()):
+            pts = [(r["step"], r[by][d]) for r in rows if d in r.get(by, {})]
+            ax.plot(*zip(*pts), label=f"held-out decoding τ, {d} (first 96 tokens)", marker=".", linestyle="--")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

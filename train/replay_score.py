@@ -10,6 +10,7 @@ those (train.replay). The figures are `train --val-store`'s held-out row (val_de
 first 96 answer tokens val_decode_tau_96, and the teacher-forced val_loss and val_sim_tau), over
 every sample of the store: a checkpoint or export scored in seconds on the prompts its store holds
 (e.g. `scripts/scale_run.sh valstore`'s), where `train.eval` decodes with the target for minutes.
+Answers to the evaluation's held-out prompts are also scored per domain (val_decode_tau_96_by_domain).
 A checkpoint drafts from the target's whole lm_head, as its default export serves it (--draft-head:
 from its draft vocabulary); an export drafts as it is exported.
 """
@@ -32,7 +33,7 @@ from train.export import as_whole_head, read_export
 from train.losses import Weighting, default_gamma
 from train.masks import use_flex_attention
 from train.model import DrafterConfig
-from train.start import build_drafter
+from train.start import build_drafter, domain_groups
 from train.step import LossSettings, evaluate_holdout
 
 __all__ = ["replay_score"]
@@ -83,7 +84,7 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), weighting=Weighting(),
                         use_flex=use_flex_attention("auto", device.type, dc.head_dim))
     with torch.no_grad():
-        row = evaluate_holdout(model, ds, device, world=1, loss=loss)
+        row = evaluate_holdout(model, ds, device, world=1, loss=loss, groups=domain_groups(reader, keep))
     return {**row, "samples": int(keep.sum()), "store": store, "drafter": what}
 
 
@@ -120,6 +121,8 @@ def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, s
     click.echo(f"{res['drafter']} on {store} ({res['samples']} samples): val_decode_tau {res['val_decode_tau']:.3f}, "
                f"first 96 tokens {res['val_decode_tau_96']:.3f}, val_sim_tau {res['val_sim_tau']:.3f}, "
                f"val_loss {res['val_loss']:.3f}")
+    for domain, tau in res.get("val_decode_tau_96_by_domain", {}).items():
+        click.echo(f"  {domain}: first 96 tokens {tau:.3f}")
 
 
 if __name__ == "__main__":

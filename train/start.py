@@ -13,6 +13,7 @@ import torch
 
 from cache_format import StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
+from cache_format.prompts import DOMAINS, heldout_domains
 from cache_format.schema import Manifest
 from train.checkpoint import load_checkpoint
 from train.config import RESUME_FREE, TrainConfig
@@ -23,8 +24,8 @@ from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
-__all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "draft_vocab_of", "drafter_config", "loss_settings",
-           "open_store", "open_val_store", "run_record"]
+__all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "domain_groups", "draft_vocab_of", "drafter_config",
+           "loss_settings", "open_store", "open_val_store", "run_record"]
 
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
 # not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
@@ -151,6 +152,22 @@ def open_val_store(cfg: TrainConfig, train: StoreReader) -> StoreReader:
             raise ValueError(f"{where}: {len(shared)} of its prompts are in the training store too, so they are "
                              "not held out; extract it from prompts the training data lacks")
     return val
+
+
+def domain_groups(reader: StoreReader, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """Sample ids [n] int64 per domain of the held-out prompts among `reader`'s samples where `rows`
+    (bool [len(reader)]) is set, matched by prompt key (a validation store of the evaluation's
+    prompts): what evaluate_holdout scores per domain. Empty where none match (a user's own
+    validation data), the store holds no prompt keys, or the packaged prompts are not installed."""
+    keys = reader.prompt_keys()
+    if keys is None:
+        return {}
+    try:
+        domains = np.array(heldout_domains(keys[rows]), dtype=object)
+    except ValueError:  # the packages holding the held-out prompts are not installed
+        return {}
+    ids = reader.sample_ids[rows]
+    return {d: torch.as_tensor(ids[domains == d], dtype=torch.long) for d in DOMAINS if (domains == d).any()}
 
 
 def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> LossSettings:

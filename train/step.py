@@ -79,15 +79,21 @@ DECODE_WINDOW = 96
 
 @torch.no_grad()
 def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int,
-                     loss: LossSettings) -> dict[str, Any]:
+                     loss: LossSettings, groups: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Over the held-out micro-batches (all ranks; an anchor at every response position): the
     teacher-forced loss, per-slot accuracy and sim_tau, and val_decode_tau, speculative decoding
     replayed along the stored responses (train.replay.replay_counts), whole and over the first
     DECODE_WINDOW tokens of each answer. The loss is the plain decayed
-    one whatever the run trains with, so runs with other weightings compare."""
+    one whatever the run trains with, so runs with other weightings compare.
+
+    groups: name -> int64 sample ids (e.g. the held-out prompts' domains); the window's τ is also
+    given per group, as val_decode_tau_96_by_domain (the same names on every rank)."""
     model.eval()
     plain = dataclasses.replace(loss, backward="fused", compiled=False, weighting=Weighting())  # no backward here
     stats = StepStats(loss.block_size, device)
+    groups = {g: ids.to(device) for g, ids in (groups or {}).items()}
+    for g in groups:  # before any batch, so every rank's sums hold the same names in the same order
+        stats.sums[f"{g}:tokens"], stats.sums[f"{g}:forwards"] = torch.zeros(1, device=device), torch.zeros(1, device=device)
     for i in range(len(ds)):
         batch = to_device(ds[i], device)
         out = forward_loss(model, batch, plain, replay=True)
@@ -98,13 +104,22 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
             tokens, forwards = replay_counts(*walk, window=window, visits=visits)
             stats.sums[f"{key}_tokens"] += tokens
             stats.sums[f"{key}_forwards"] += forwards
+        for g, ids in groups.items():
+            rows = torch.isin(batch["sample_id"], ids)  # [b]: this group's answers of the micro-batch
+            tokens, forwards = replay_counts(*(t[rows] for t in walk), window=DECODE_WINDOW, visits=visits[rows])
+            stats.sums[f"{g}:tokens"] += tokens
+            stats.sums[f"{g}:forwards"] += forwards
     s = stats.reduced(world)
     model.train()
     acc = s.acc()
-    return {"val_loss": float(s["loss"] / s["weight"].clamp(min=1e-12)), "val_acc": acc,
-            "val_sim_tau": acceptance_from_acc(acc),
-            "val_decode_tau": float(s["replay_tokens"] / s["replay_forwards"].clamp(min=1)),
-            f"val_decode_tau_{DECODE_WINDOW}": float(s["window_tokens"] / s["window_forwards"].clamp(min=1))}
+    row = {"val_loss": float(s["loss"] / s["weight"].clamp(min=1e-12)), "val_acc": acc,
+           "val_sim_tau": acceptance_from_acc(acc),
+           "val_decode_tau": float(s["replay_tokens"] / s["replay_forwards"].clamp(min=1)),
+           f"val_decode_tau_{DECODE_WINDOW}": float(s["window_tokens"] / s["window_forwards"].clamp(min=1))}
+    if groups:
+        row[f"val_decode_tau_{DECODE_WINDOW}_by_domain"] = {
+            g: float(s[f"{g}:tokens"] / s[f"{g}:forwards"].clamp(min=1)) for g in groups}
+    return row
 
 
 def make_optimizer(model: DFlashDrafter, *, lr: float, weight_decay: float) -> torch.optim.AdamW:

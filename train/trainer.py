@@ -34,6 +34,7 @@ from train.start import (
     best_state,
     build_drafter,
     check_resume,
+    domain_groups,
     draft_vocab_of,
     drafter_config,
     loss_settings,
@@ -109,6 +110,7 @@ class Trainer:
                                  draft_vocab_coverage=self.vocab_coverage)
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                               config={k: self.record[k] for k in ("train", "drafter")})
+        self.val_groups: dict[str, torch.Tensor] = {}  # sample ids per domain, set with the held-out dataset
         self.val_ds = self._holdout_dataset()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
         best = best_state(best_ck) if best_ck else {"step": self.step, BEST_BY: float("-inf")}
@@ -191,6 +193,7 @@ class Trainer:
             return None
         r = self.reader if self.val_reader is None else self.val_reader  # --val-store: every sample of it
         held = self.held if self.val_reader is None else np.ones(len(r.sample_ids), dtype=bool)
+        self.val_groups = domain_groups(r, held)  # the evaluation's domains, where its prompts are held out
         return replay_dataset(r, held, self.collate, token_budget=self.cfg.token_budget, ranks=self.world,
                               rank=self.rank, seed=self.cfg.seed, verify_shards=self.cfg.check_shards)
 
@@ -241,7 +244,8 @@ class Trainer:
     def validate(self, epoch: int) -> None:
         """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as checkpoints/best-STEP."""
         self.check_finite()
-        row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world, loss=self.loss)
+        row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world, loss=self.loss,
+                               groups=self.val_groups)
         self.log.write({"step": self.step, "epoch": epoch, **row})
         self.stale += 1
         if row[BEST_BY] > self.best_score:  # every rank holds the all-reduced row: all agree

@@ -9,8 +9,15 @@ from collections import Counter
 from click.testing import CliRunner
 
 from cache_format.__main__ import cli
-from cache_format.conversations import read_conversations
-from cache_format.prompts import TEST_PER_DOMAIN, domain_of, evaluation_prompts, heldout_prompts, validation_prompts
+from cache_format.conversations import prompt_key, read_conversations
+from cache_format.prompts import (
+    TEST_PER_DOMAIN,
+    domain_of,
+    evaluation_prompts,
+    heldout_domains,
+    heldout_prompts,
+    validation_prompts,
+)
 
 
 def test_the_validation_set_is_the_held_out_set_less_the_test():
@@ -42,3 +49,12 @@ def test_the_cli_writes_a_set_that_regeneration_reads(tmp_path):
     assert res.exit_code == 0 and "96 validation prompts" in res.output and len(out.read_text().splitlines()) == 96
     res = CliRunner().invoke(cli, ["prompts", "train", str(out), "--per-domain", "3"])
     assert res.exit_code == 2 and res.output.count("\n") == 1 and "--per-domain" in res.output
+
+
+def test_a_prompt_key_names_its_held_out_domain():
+    val = validation_prompts(2)
+    answered = [m + [{"role": "assistant", "content": "an answer"}] for _, m in val]  # keys ignore the answer
+    stranger = [{"role": "user", "content": "a prompt of no evaluation"}]
+    keys = [prompt_key(m) for m in answered + [stranger]]
+    assert heldout_domains(keys) == [domain_of(n) for n, _ in val] + [""]
+    assert heldout_domains(keys)[:6] == ["math", "math", "code", "code", "chat", "chat"]

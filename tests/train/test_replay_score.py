@@ -38,3 +38,27 @@ def test_a_store_the_drafter_cannot_read_is_one_line(trained, store, tmp_path):
         replay_score(store)
     with pytest.raises(ValueError, match="holds no sample 99"):
         replay_score(load_checkpoint(resolve_checkpoint(run))[2]["store"], run=run, samples=(0, 99))
+
+
+def test_each_domain_scores_as_its_samples_alone(trained, monkeypatch, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import train.replay_score as rs
+
+    _, _, run = trained
+    store = load_checkpoint(resolve_checkpoint(run))[2]["store"]
+    out = export_run(run, str(tmp_path / "e"))  # made worse, so that its answers decode at different τ
+    w = load_file(out / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    w = {k: v + 0.5 * v.float().std() * torch.randn(v.shape, generator=g).to(v.dtype) if k.startswith("layers.0.") else v
+         for k, v in w.items()}
+    save_file(w, out / "model.safetensors", metadata={"format": "pt"})
+    groups = {"math": (0, 1, 2), "chat": (3, 5)}  # as domain_groups would name a validation store's answers
+    monkeypatch.setattr(rs, "domain_groups", lambda reader, rows: {d: torch.tensor(ids) for d, ids in groups.items()})
+    whole = replay_score(store, export=str(out))
+    alone = {d: replay_score(store, export=str(out), samples=ids)["val_decode_tau_96"] for d, ids in groups.items()}
+    assert whole["val_decode_tau_96_by_domain"] == pytest.approx(alone, rel=1e-6)
+    assert abs(alone["math"] - alone["chat"]) > 0.01  # the groups differ, so a mix-up of rows would show
+    res = CliRunner().invoke(main, ["--store", store, "--export", str(out)])
+    assert res.exit_code == 0 and f"math: first 96 tokens {alone['math']:.3f}" in res.output

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from extract.config import ExtractConfig
@@ -72,3 +73,27 @@ def test_a_val_store_that_does_not_fit_the_training_store_is_one_line(stores, tm
     with pytest.raises(ValueError, match="not both"):
         train_cfg(store, tmp_path / "c", val_samples=4, val_store=val)
     train_cfg(store, tmp_path / "d", patience=2, val_store=val)  # patience needs a held-out set: this is one
+
+
+def test_a_val_store_of_the_evaluations_prompts_is_scored_per_domain(stores, tmp_path):
+    from cache_format import StoreReader
+    from cache_format.prompts import validation_prompts
+    from train.start import domain_groups
+
+    target, store, _, _ = stores
+    chat = [m for name, m in validation_prompts() if name.startswith("chat/")][:3]
+    with open(tmp_path / "v.jsonl", "w") as f:  # held-out chat prompts (lines 0, 2, 4) among chats of no domain
+        for i, line in enumerate(open(write_chats(tmp_path / "o.jsonl", 3, seed=11, cyclic=True))):
+            f.write(json.dumps({"messages": chat[i] + [{"role": "assistant", "content": "alpha beta gamma delta"}]})
+                    + "\n" + line)
+    val = _extract(target, str(tmp_path / "v.jsonl"), tmp_path / "v.zarr")
+    r = StoreReader(val)
+    groups = domain_groups(r, np.ones(len(r.sample_ids), dtype=bool))
+    assert list(groups) == ["chat"] and sorted(groups["chat"].tolist()) == [0, 2, 4]
+    assert domain_groups(r, r.sample_ids >= 3)["chat"].tolist() == [4]
+    train(train_cfg(store, tmp_path / "run", max_steps=10, val_store=val, val_every=10))
+    row = [r for r in metric_rows(tmp_path / "run") if "val_loss" in r][-1]
+    assert list(row["val_decode_tau_96_by_domain"]) == ["chat"] and row["val_decode_tau_96_by_domain"]["chat"] >= 1
+    # a held-out set of no evaluation prompt (the training store's own samples) has no per-domain row
+    train(train_cfg(store, tmp_path / "own", max_steps=10, val_samples=4, val_every=10))
+    assert all("val_decode_tau_96_by_domain" not in r for r in metric_rows(tmp_path / "own"))
