@@ -20,7 +20,7 @@
 # The options are those of configs/smollm2-h200/ (extract.toml, train.toml); the environment overrides a few.
 # Settings (environment): DATA (default: docs/results/recipe-default-100k/train.jsonl.gz), W (work
 # dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the 100K file to extract,
-# default: as many as fit in /dev/shm and memory beside the formats answers), STEPS (cosine length, default 7000), LR (6e-4),
+# default: as many as fit in /dev/shm and memory beside the formats answers), STEPS (cosine length, default 10000), LR (1.2e-3),
 # TLIM (seconds this call may train: train's --time-limit, default 480), EXTRACT_ARGS (more extract
 # options, e.g. "--dtype mxfp4"), CUT_LOOPS (1: cut each answer where it starts repeating itself,
 # extract.regenerate.loops, before extraction), EXPORT_ARGS (the eval stage's export options, e.g.
@@ -84,7 +84,7 @@ train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
   held=(--val-samples "${VAL:-1000}"); [ -n "${VAL_STORE:-}" ] && held=(--val-samples 0 --val-store "$VAL_STORE")
   timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
-    --store "$STORE" --out "$RUN" --max-steps "${STEPS:-7000}" --time-limit "${TLIM:-480}" --lr "${LR:-6e-4}" \
+    --store "$STORE" --out "$RUN" --max-steps "${STEPS:-10000}" --time-limit "${TLIM:-480}" --lr "${LR:-1.2e-3}" \
     --token-budget "${TOKENS:-16384}" "${held[@]}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \
     $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1
   echo "train exit $?"
