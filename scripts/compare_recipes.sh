@@ -60,7 +60,7 @@ train) run_all train_one
     last+=("$step")
     echo "$name: trained to step $step; last held-out:"
     grep val_decode_tau "$W/$name/metrics.jsonl" | tail -n 1 | python3 -c \
-      'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("step","val_loss","val_sim_tau","val_decode_tau","val_decode_tau_96")})'
+      'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("step","val_loss","val_sim_tau","val_decode_tau","val_decode_tau_96","val_decode_tau_96_by_domain") if k in r})'
   done
   # a variant that ran further had more training: its τ is not comparable (rerun with fewer STEPS)
   if [ "$(printf '%s\n' "${last[@]}" | sort -u | wc -l)" -gt 1 ]; then

@@ -89,7 +89,8 @@ train)
     $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1
   echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
-  grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | cut -c1-300
+  grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | python3 -c 'import json,sys
+for line in sys.stdin: r = json.loads(line); print({k: v for k, v in r.items() if k != "val_acc"})'
   # a machine lost between calls takes /root and /dev/shm with it: bring this call's drafter back now
   pack > /dev/null;;
 eval)  # the export as served (bf16 weights through AutoModel) of the best checkpoint; EVAL_ARGS: more
