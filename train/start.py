@@ -164,7 +164,7 @@ def domain_groups(reader: StoreReader, rows: np.ndarray) -> dict[str, torch.Tens
         return {}
     try:
         domains = np.array(heldout_domains(keys[rows]), dtype=object)
-    except ValueError:  # the packages holding the held-out prompts are not installed
+    except (ValueError, OSError):  # the packages holding the held-out prompts are not installed or readable
         return {}
     ids = reader.sample_ids[rows]
     return {d: torch.as_tensor(ids[domains == d], dtype=torch.long) for d in DOMAINS if (domains == d).any()}
