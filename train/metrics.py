@@ -51,6 +51,8 @@ class MetricsLog:
                 scalars[k] = float(v)
             elif isinstance(v, list):
                 scalars.update({f"{k}/{i + 1}": float(x) for i, x in enumerate(v)})
+            elif isinstance(v, dict):  # e.g. val_decode_tau_96_by_domain: one scalar a domain
+                scalars.update({f"{k}/{n}": float(x) for n, x in v.items()})
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, row["step"])

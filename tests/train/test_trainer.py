@@ -45,6 +45,20 @@ def test_tensorboard_events_carry_the_metric_rows_and_a_resume_purges_past_its_c
     assert [e.value for e in ev.Scalars("acc/1")] == pytest.approx([r["acc"][0] for r in rows])
 
 
+def test_tensorboard_carries_each_domain_of_a_held_out_row(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, True, tensorboard=True)
+    log.write({"step": 10, "epoch": 0, "val_decode_tau_96": 2.5, "val_decode_tau_96_by_domain": {"math": 3.0, "chat": 2.0}})
+    log.close()
+    ev = EventAccumulator(str(tmp_path / "tensorboard"))
+    ev.Reload()
+    assert [(e.step, e.value) for e in ev.Scalars("val_decode_tau_96_by_domain/chat")] == [(10, 2.0)]
+    assert [e.value for e in ev.Scalars("val_decode_tau_96_by_domain/math")] == [3.0]
+
+
 def test_logging_flags_name_the_missing_package(store, tmp_path, monkeypatch):
     import importlib.util
 
