@@ -162,7 +162,6 @@ class BatchDataset(torch.utils.data.Dataset):
         return collate(self._reader.get_batch(self.micro[i], quant_bits=True), generator=g, **self.kw)
 
 
-
 def replay_dataset(reader: StoreReader, rows: np.ndarray, settings: CollateSettings, *, token_budget: int,
                    ranks: int, rank: int, seed: int, verify_shards: bool = False) -> BatchDataset:
     """This rank's micro-batches of `reader`'s samples where `rows` (bool [len(reader)]) is set, with

@@ -110,8 +110,7 @@ class Trainer:
                                  draft_vocab_coverage=self.vocab_coverage)
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                               config={k: self.record[k] for k in ("train", "drafter")})
-        self.val_groups: dict[str, torch.Tensor] = {}  # sample ids per domain, set with the held-out dataset
-        self.val_ds = self._holdout_dataset()
+        self.val_ds, self.val_groups = self._holdout_set()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
         best = best_state(best_ck) if best_ck else {"step": self.step, BEST_BY: float("-inf")}
         self.best_score = best[BEST_BY]
@@ -188,14 +187,16 @@ class Trainer:
                                          prefetch_factor=4 if cfg.workers else None, persistent_workers=False)
         return steps, iter(dl)
 
-    def _holdout_dataset(self) -> BatchDataset | None:
+    def _holdout_set(self) -> tuple[BatchDataset | None, dict[str, torch.Tensor]]:
+        """The held-out micro-batches of this rank (None without a held-out set) and, where its prompts
+        are the evaluation's held-out ones, their sample ids per domain (train.start.domain_groups)."""
         if self.val_reader is None and self.held is None:
-            return None
+            return None, {}
         r = self.reader if self.val_reader is None else self.val_reader  # --val-store: every sample of it
         held = self.held if self.val_reader is None else np.ones(len(r.sample_ids), dtype=bool)
-        self.val_groups = domain_groups(r, held)  # the evaluation's domains, where its prompts are held out
-        return replay_dataset(r, held, self.collate, token_budget=self.cfg.token_budget, ranks=self.world,
-                              rank=self.rank, seed=self.cfg.seed, verify_shards=self.cfg.check_shards)
+        ds = replay_dataset(r, held, self.collate, token_budget=self.cfg.token_budget, ranks=self.world,
+                            rank=self.rank, seed=self.cfg.seed, verify_shards=self.cfg.check_shards)
+        return ds, domain_groups(r, held)
 
     # ------------------------------------------------------------------ the steps
     def train_step(self, batches) -> None:
