@@ -236,13 +236,39 @@ def stack_upto(model: torch.nn.Module, last_layer: int | None) -> Iterator[None]
         base.layers = layers
 
 
-def frozen_parts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What training needs of the target: input embedding, lm_head, final norm (+ its eps)."""
-    _, _, norm = decoder_parts(model)
+# a decoder layer's weights under the names the drafter's layers give them (train.model.DraftLayer);
+# the rest of a layer (biases, Qwen2's q/k/v bias) has no place in a drafter layer and is left out
+LAYER_WEIGHTS = {
+    "input_layernorm.weight": "input_layernorm.weight", "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight": "q_proj.weight", "self_attn.k_proj.weight": "k_proj.weight",
+    "self_attn.v_proj.weight": "v_proj.weight", "self_attn.o_proj.weight": "o_proj.weight",
+    "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
+    "mlp.gate_proj.weight": "gate_proj.weight", "mlp.up_proj.weight": "up_proj.weight",
+    "mlp.down_proj.weight": "down_proj.weight",
+}
+_OPTIONAL = {"q_norm.weight", "k_norm.weight"}  # Llama-style layers have none: the drafter's start at ones
+
+
+def frozen_parts(model: torch.nn.Module, keep_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+    """What training needs of the target: input embedding, lm_head, final norm (+ its eps), and the
+    weights of the decoder layers `keep_layers` as `layers.{id}.{drafter name}` (train --init-layers
+    starts drafter layers from them)."""
+    _, layers, norm = decoder_parts(model)
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     out = {"embed_tokens.weight": emb.detach(), "norm.weight": norm.weight.detach()}
     if head.data_ptr() != emb.data_ptr():  # tied weights are stored once; the reader re-ties them
         out["lm_head.weight"] = head.detach()
+    for lid in keep_layers:
+        if not 0 <= lid < len(layers):
+            raise ValueError(f"keep_layers: layer id {lid} out of range: target has {len(layers)} decoder layers "
+                             f"(0..{len(layers) - 1})")
+        own = dict(layers[lid].named_parameters())
+        lacking = [theirs for theirs, mine in LAYER_WEIGHTS.items() if theirs not in own and mine not in _OPTIONAL]
+        if lacking:
+            raise ValueError(f"keep_layers: decoder layer {lid} has no {lacking[0]}: not a layer a drafter layer can "
+                             "start from")
+        out.update({f"layers.{lid}.{mine}": own[theirs].detach() for theirs, mine in LAYER_WEIGHTS.items()
+                    if theirs in own})
     return out
 
 

@@ -32,6 +32,9 @@ class ExtractConfig:
     """Tapped layer ids (id i = output of decoder layer i); empty = the DFlash rule for num_taps."""
     num_taps: int = 5
     """K for the default DFlash rule round(1 + i*(N-4)/(K-1))."""
+    keep_layers: tuple[int, ...] = ()
+    """Decoder layers whose weights are saved in the store beside the embedding and lm_head, so a
+    drafter's layers can start from them (train --init-layers); ~3.5M weights a layer for SmolLM2."""
     last_hidden: bool = True
     """Also store the final hidden state after the final norm (for soft-label distillation)."""
     max_len: int = 2048
@@ -89,6 +92,8 @@ class ExtractConfig:
             raise ValueError(f"num_taps must be >= 1, got {self.num_taps}")
         if any(layer < 0 for layer in self.layers) or len(set(self.layers)) != len(self.layers):
             raise ValueError(f"layer ids must be distinct and >= 0, got {list(self.layers)}")
+        if any(layer < 0 for layer in self.keep_layers) or len(set(self.keep_layers)) != len(self.keep_layers):
+            raise ValueError(f"keep_layers must be distinct and >= 0, got {list(self.keep_layers)}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.min_supervised < 2:
@@ -109,4 +114,5 @@ class ExtractConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layers"] = list(self.layers)
+        d["keep_layers"] = list(self.keep_layers)
         return d

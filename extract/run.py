@@ -175,8 +175,9 @@ def _create(cfg: ExtractConfig, world: World, target, layer_ids: list[int], samp
         extract_config=cfg.to_dict(),
     )
     if world.rank == 0:
+        frozen = frozen_parts(target.model, cfg.keep_layers)  # a bad layer id is refused before the store exists
         create_store(cfg.store, manifest, overwrite=cfg.overwrite)
-        write_frozen(cfg.store, frozen_parts(target.model))
+        write_frozen(cfg.store, frozen)
         write_prompt_keys(cfg.store, [r.sample_id for r in samples], [r.prompt_key for r in samples])
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))

@@ -99,6 +99,10 @@ class TrainConfig:
     """An exported drafter (train.export's directory) whose weights start this run, with a fresh
     optimizer and schedule: to go on training it on new data or on another machine. Its shape, taps
     and mask token must be this run's. A --resume that finds a checkpoint takes that instead."""
+    init_layers: tuple[int, ...] = ()
+    """Target decoder layers (kept in the store by extract --keep-layers) whose weights start the
+    drafter's layers, one id per drafter layer, and the target's final norm its own; empty = random
+    layers. The context projection (fc) starts random either way."""
     follow: bool = False
     """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
     follow_timeout: float = 300.0
@@ -158,6 +162,11 @@ class TrainConfig:
             raise ValueError("store and out are required")
         if any(layer < 0 for layer in self.layers) or len(set(self.layers)) != len(self.layers):
             raise ValueError(f"layer ids must be distinct and >= 0, got {list(self.layers)}")
+        if self.init_layers and (len(self.init_layers) != self.num_layers or min(self.init_layers) < 0):
+            raise ValueError(f"init_layers needs one layer id >= 0 per drafter layer ({self.num_layers}), "
+                             f"got {list(self.init_layers)}")
+        if self.init_layers and self.init_from:
+            raise ValueError("init_layers and init_from both start the drafter's weights: give one")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_layers < 1 or self.num_anchors < 1 or self.epochs < 1:
@@ -225,6 +234,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layers"] = list(self.layers)
+        d["init_layers"] = list(self.init_layers)
         return d
 
 

@@ -17,6 +17,7 @@ from cache_format.prompts import DOMAINS, heldout_domains
 from cache_format.schema import Manifest
 from train.checkpoint import load_checkpoint
 from train.config import RESUME_FREE, TrainConfig
+from train.export import start_weights
 from train.follow import WriterWatch, wait_for_store
 from train.losses import Weighting, default_gamma
 from train.masks import use_flex_attention
@@ -25,7 +26,8 @@ from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
 __all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "domain_groups", "draft_vocab_of", "drafter_config",
-           "loss_settings", "open_store", "open_val_store", "run_record"]
+           "loss_settings", "open_store", "open_val_store", "run_record",
+           "initial_weights", "target_layer_weights"]
 
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
 # not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
@@ -61,6 +63,30 @@ def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor],
     if emb.shape != (dc.vocab_size, dc.hidden_size):
         raise ValueError(f"embedding shape {tuple(emb.shape)} does not fit vocab {dc.vocab_size} x hidden {dc.hidden_size}")
     return DFlashDrafter(dc, emb, head, draft_ids)
+
+
+def target_layer_weights(frozen: dict[str, torch.Tensor], ids: tuple[int, ...], store: str) -> dict[str, torch.Tensor]:
+    """Drafter weights `layers.{j}.*` from the target's decoder layer ids[j] and `norm.weight` from
+    its final norm, as the store keeps them (extract --keep-layers); ValueError naming a layer it lacks."""
+    kept = sorted({int(k.split(".")[1]) for k in frozen if k.startswith("layers.")})
+    out = {"norm.weight": frozen["norm.weight"].float()}
+    for j, lid in enumerate(ids):
+        head = f"layers.{lid}."
+        got = {k[len(head):]: v for k, v in frozen.items() if k.startswith(head)}
+        if not got:
+            raise ValueError(f"{store}: --init-layers: target layer {lid} is not kept in the store (it keeps "
+                             f"{kept or 'none'}; extract with --keep-layers)")
+        out.update({f"layers.{j}.{k}": v.float() for k, v in got.items()})
+    return out
+
+
+def initial_weights(cfg: TrainConfig, dc: DrafterConfig, layer_ids: list[int],
+                    reader: StoreReader) -> tuple[str, dict[str, torch.Tensor]]:
+    """(the option that gives them, the weights) a fresh run starts from: an export (--init-from) or
+    the target's layers kept in the store (--init-layers)."""
+    if cfg.init_from:
+        return f"--init-from {cfg.init_from}", start_weights(cfg.init_from, dc, layer_ids)
+    return f"--init-layers {list(cfg.init_layers)}", target_layer_weights(reader.frozen(), cfg.init_layers, cfg.store)
 
 
 def draft_vocab_of(n: int, reader: StoreReader, held: np.ndarray | None, vocab_size: int, *,

@@ -25,7 +25,6 @@ from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from train.data import BatchDataset, CollateSettings, holdout_mask, node_shares, plan_epoch, replay_dataset, to_device
 from train.data_parallel import data_parallel
-from train.export import start_weights
 from train.follow import StoreView, WriterWatch, agree_view, view_of
 from train.losses import acceptance_from_acc
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
@@ -37,6 +36,7 @@ from train.start import (
     domain_groups,
     draft_vocab_of,
     drafter_config,
+    initial_weights,
     loss_settings,
     open_store,
     open_val_store,
@@ -301,13 +301,16 @@ class Trainer:
                     set_aside_after(cfg.out, self.step)
                 if self.world > 1:
                     dist.barrier()
-        elif cfg.init_from:
-            weights = start_weights(cfg.init_from, self.dc, self.layer_ids)
-            self._same_vocab(weights, f"--init-from {cfg.init_from}")
-            missing, unexpected = self.model.load_state_dict(weights, strict=False)
-            params = {n for n, _ in self.model.named_parameters()}  # the export leaves out only frozen buffers
-            if unexpected or params & set(missing):
-                raise ValueError(f"--init-from {cfg.init_from}: weights missing {sorted(params & set(missing))[:3]} "
+        elif cfg.init_from or cfg.init_layers:
+            what, weights = initial_weights(cfg, self.dc, self.layer_ids, self.reader)
+            self._same_vocab(weights, what)
+            try:
+                missing, unexpected = self.model.load_state_dict(weights, strict=False)
+            except RuntimeError as e:  # a shape that differs (another intermediate size, head layout)
+                raise ValueError(f"{what}: the weights do not fit this drafter ({str(e).splitlines()[-1].strip()})") from None
+            params = {n for n, _ in self.model.named_parameters()}  # an export leaves out only frozen buffers
+            if unexpected or (cfg.init_from and params & set(missing)):
+                raise ValueError(f"{what}: weights missing {sorted(params & set(missing))[:3]} "
                                  f"or unknown {sorted(unexpected)[:3]}")
         if self.rank == 0:
             trim_metrics(cfg.out, self.step)  # rows a killed run logged after its last checkpoint are redone
