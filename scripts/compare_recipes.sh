@@ -24,7 +24,7 @@
 set -uo pipefail
 stage=$1
 W=${W:-/root/cmp}; STORE=${STORE:-/dev/shm/scale.zarr}
-VARIANTS=${VARIANTS:-"uniform:;reach:--position-weights reach;visit:--visit-weight 1;block8:--block-size 8"}
+VARIANTS=${VARIANTS:-"reach:;decay:--position-weights decay;visit:--visit-weight 1;block16:--block-size 16"}
 TARGET=(); [ -n "${GGUF:-}" ] && TARGET=(--target "$GGUF")
 mkdir -p "$W"
 IFS=';' read -r -a VS <<< "$VARIANTS"
