@@ -79,7 +79,8 @@ pack)
   out=${OUT:-/tmp/out}; mkdir -p "$out"
   for v in "${VS[@]}"; do
     name=${v%%:*}
-    cp "$W/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+    cp "$W/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null \
+      || echo "warning: $W/$name has no metrics.jsonl (pack takes the VARIANTS the train stage had)" >&2
     cp "$W/$name/eval.json" "$out/$name.eval.json" 2>/dev/null
   done
   ls -la "$out";;
