@@ -67,3 +67,48 @@ def test_vocab_suite_counts_coverage_by_size(tmp_path):
     assert p.returncode != 0 and f"{bad}:2: malformed JSON" in p.stderr and "Traceback" not in p.stderr
     p = _bench("vocab", "--data", data, "--target", target, "--sizes", "5,321")
     assert p.returncode != 0 and "--sizes 5,321: each must be in 1..320" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_confidence_bands_split_the_checked_drafts_by_the_targets_top1():
+    from bench.confidence_bench import band_rates
+
+    top1 = [0.2, 0.6, 0.95, 1.0, 0.4, 0.9]
+    checks = [(0, True), (1, False), (2, False), (3, True), (4, False), (5, True)]
+    rows = band_rates(top1, checks)
+    assert [r["checked"] for r in rows] == [2, 1, 3]  # 0.9 and 1.0 fall in the last band
+    assert [r["rejected_share"] for r in rows] == [0.5, 0.0, 2 / 3]
+    assert band_rates([0.3], []) == [{"band": [0.0, 0.5], "checked": 0, "rejected_share": None},
+                                     {"band": [0.5, 0.9], "checked": 0, "rejected_share": None},
+                                     {"band": [0.9, 1.0], "checked": 0, "rejected_share": None}]
+
+
+def test_confidence_suite_scores_an_evaluation_and_skips_what_does_not_line_up(tmp_path):
+    import torch
+
+    from cache_format.prompts import heldout_prompts
+    from cache_format.target import chat_ids, eos_ids, load_target
+    from tests.helpers import tiny_target_dir
+    from train.spec_decode import target_generate
+
+    target = tiny_target_dir(tmp_path / "t")
+    t = load_target(target, device=torch.device("cpu"), dtype=torch.float32)
+    name, msgs = heldout_prompts()[0]
+    n = len(target_generate(t.model, chat_ids(t.tokenizer, msgs), max_new_tokens=12,
+                            eos=set(eos_ids(t.tokenizer, t.model))).tokens)
+    steps = [1] + [3] * ((n - 1) // 3) + ([(n - 1) % 3] if (n - 1) % 3 else [])  # block 4: each step rejects its last
+    ev = tmp_path / "eval.json"
+    ev.write_text(json.dumps({"prompts": [{"prompt": name, "accepted": steps, "new_tokens": n},
+                                          {"prompt": "nope/3", "accepted": [1, 2], "new_tokens": 3}]}))
+    out = tmp_path / "c.json"
+    p = _bench("confidence", "--eval", str(ev), "--target", target, "--block-size", "4", "--json", str(out))
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(out.read_text())
+    (dom, row), = res["domains"].items()
+    assert row["prompts"] == 1 and row["positions"] == n
+    assert row["checked"] == sum(r["checked"] for r in row["bands"]) == 3 * (len(steps) - 2)
+    assert row["rejected_share"] == 1 / 3
+    assert res["skipped"] == ["nope/3 (not a single-turn held-out prompt)"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    p = _bench("confidence", "--eval", str(bad), "--target", target)
+    assert p.returncode != 0 and f"{bad}: not a train.eval --json result" in p.stderr and "Traceback" not in p.stderr

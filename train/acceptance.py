@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from cache_format.target import capture
 
-__all__ = ["decode_chain", "leading_matches", "per_response_tau", "teacher_forced_accepts", "vocab_rejections"]
+__all__ = ["decode_chain", "draft_checks", "leading_matches", "per_response_tau", "teacher_forced_accepts",
+           "vocab_rejections"]
 
 
 def leading_matches(draft: list[int], truth: list[int]) -> int:
@@ -62,24 +63,32 @@ def per_response_tau(accepted: list[list[int]]) -> float | None:
     return sum(per) / len(per) if per else None
 
 
-def vocab_rejections(accepted: list[int], new: list[int], vocab: set[int] | None, block_size: int) -> tuple[int, int]:
-    """(rejections, those at a token outside `vocab`) of one decoded response.
+def draft_checks(accepted: list[int], block_size: int) -> list[tuple[int, bool]]:
+    """(response position, rejected) of every drafted token verification decided on, in order.
 
-    accepted: tokens per target forward as `spec_generate` returns them (the prefill's first); new:
-    the response's tokens. A drafting step that emits a < block_size tokens stopped at a rejected
-    draft, and its last token is the target's own choice there; when that token lies outside the
-    draft vocabulary (None: the target's whole, nothing outside) the drafter could not have proposed
-    it. The response's last step is left out
-    (an end token or the length cap cuts it, not a rejection).
+    accepted: tokens per target forward as `spec_generate` returns them (the prefill's first). A
+    drafting step that emits a tokens from position p checked drafts at p .. p + a - 1: those before
+    the last were accepted; when a < block_size the last is the target's own token where the draft
+    was rejected (a = block_size: every draft accepted, the last token the bonus, not a check). The
+    prefill's token and the response's last step are left out (an end token or the length cap cuts
+    that one, not a rejection).
     """
-    rejections = outside = 0
+    out: list[tuple[int, bool]] = []
     pos = accepted[0] if accepted else 0
     for a in accepted[1:-1]:
+        out += [(pos + i, False) for i in range(a - 1)]
         if a < block_size:
-            rejections += 1
-            outside += vocab is not None and new[pos + a - 1] not in vocab
+            out.append((pos + a - 1, True))
         pos += a
-    return rejections, outside
+    return out
+
+
+def vocab_rejections(accepted: list[int], new: list[int], vocab: set[int] | None, block_size: int) -> tuple[int, int]:
+    """(rejections, those at a token outside `vocab`) of one decoded response (`draft_checks`): at a
+    rejection the response holds the target's own choice; when that token lies outside the draft
+    vocabulary (None: the target's whole, nothing outside) the drafter could not have proposed it."""
+    rejected = [p for p, r in draft_checks(accepted, block_size) if r]
+    return len(rejected), sum(vocab is not None and new[p] not in vocab for p in rejected)
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from train.acceptance import decode_chain, leading_matches, per_response_tau, vocab_rejections
+from train.acceptance import decode_chain, draft_checks, leading_matches, per_response_tau, vocab_rejections
 
 
 def _decode_like_spec_generate(accepts: list[int], new_tokens: int) -> list[int]:
@@ -73,3 +73,21 @@ def test_vocab_rejections_counts_the_steps_that_stop_on_a_token_outside():
         assert vocab_rejections(accepted, new, vocab, bs) == tuple(want)
         assert vocab_rejections(accepted, new, None, bs) == (want[0], 0)
     assert vocab_rejections([1, 2, 4, 1], [5, 6, 7, 8, 9, 10, 11, 12], {5}, 4) == (1, 1)  # step [6, 7] stops on 7
+
+
+def test_draft_checks_are_the_anchors_drafts_as_decoding_walks_them():
+    """Oracle: walk the anchors (each step drafts after anchor j, accepts k drafts at j+1..j+k and, when
+    k < block_size - 1, is rejected at j+k+1), the prefill and the last step left out."""
+    rng = random.Random(3)
+    for _ in range(300):
+        n, bs = rng.randint(1, 60), rng.choice([2, 4, 8])
+        accepts = [rng.randint(0, bs - 1) for _ in range(n)]
+        accepted = decode_chain(accepts, n)
+        steps, j = [], 0
+        while j < n - 1:
+            k = min(accepts[j], n - 2 - j)  # the cap: no draft past the response's last token
+            steps.append([(j + 1 + i, False) for i in range(k)] + ([(j + k + 1, True)] if k < bs - 1 else []))
+            j += k + 1
+        want = [c for step in steps[:-1] for c in step]
+        assert draft_checks(accepted, bs) == want, (accepts, accepted)
+    assert draft_checks([1, 3, 4, 2], 4) == [(1, False), (2, False), (3, True), (4, False), (5, False), (6, False)]
