@@ -2,7 +2,8 @@
 
     STORE/
       zarr.json                  root group; attrs: draftcache (manifest), draftcache_state
-      frozen.safetensors         embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H]
+      frozen.safetensors         embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H];
+                                 layers.{i}.* of the decoder layers kept (extract --keep-layers)
       commits/w00003.jsonl       done-log of writer 3: one fsync'd JSON line per committed shard
       w00003/b02/hidden          uint16 (bf16 bits) or uint8 (fp8) [T, K*H], uint8 (mxfp4) [T, K*H/2], sharded on T
       w00003/b02/hidden_scale    float32 [T, K] (fp8), uint8 e8m0 [T, K*H/32] (mxfp4); not for bf16

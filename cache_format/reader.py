@@ -147,7 +147,8 @@ class StoreReader:
         return np.where(ids[order[pos]] == mine, keys[order[pos]], own)
 
     def frozen(self) -> dict[str, torch.Tensor]:
-        """The target's frozen embedding, lm_head and final norm saved in the store."""
+        """The target's frozen embedding, lm_head and final norm saved in the store (and the decoder
+        layers extraction kept, as layers.{id}.*)."""
         from safetensors.torch import load_file
 
         path = self.root / FROZEN_FILE

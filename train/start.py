@@ -26,8 +26,7 @@ from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
 __all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "domain_groups", "draft_vocab_of", "drafter_config",
-           "loss_settings", "open_store", "open_val_store", "run_record",
-           "initial_weights", "target_layer_weights"]
+           "initial_weights", "loss_settings", "open_store", "open_val_store", "run_record", "target_layer_weights"]
 
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
 # not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
