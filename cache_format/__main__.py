@@ -42,6 +42,9 @@ def inspect(store: str, as_json: bool) -> None:
     click.echo(f"layers       {m['layer_ids']}  last_hidden={m['last_hidden']}  dtype={m['dtype']}  "
                f"compression={m['compression']}")
     click.echo(f"mask token   {m['mask_token_id']} {m['mask_token'] or '(a vocabulary padding row)'}")
+    kept = (m.get("extract_config") or {}).get("keep_layers")
+    if kept:
+        click.echo(f"kept layers  {kept}  (their weights, for train --init-layers)")
     prompts = "" if info["num_prompts"] is None else f"  prompts {info['num_prompts']:,}"
     click.echo(f"samples      {info['num_samples']:,}  tokens {info['num_tokens']:,}{prompts}")
     click.echo(f"bytes/token  {info['bytes_per_token']:,.0f} on disk, {info['logical_bytes_per_token']:,} logical "

@@ -58,6 +58,12 @@ def test_drafter_layers_start_as_the_kept_target_layers(tmp_path, arch):
 
 def test_layers_not_kept_or_of_another_shape_are_refused_in_one_line(tmp_path):
     _, store = _store(tmp_path, "llama", keep=(1, 3))
+    from click.testing import CliRunner
+
+    from cache_format.__main__ import cli as cache_cli
+
+    shown = CliRunner().invoke(cache_cli, ["inspect", store])
+    assert shown.exit_code == 0 and "kept layers  [1, 3]" in shown.output, shown.output
     with pytest.raises(ValueError, match=r"s\.zarr: --init-layers: target layer 2 is not kept in the store "
                                          r"\(it keeps \[1, 3\]; extract with --keep-layers\)"):
         Trainer(_cfg(store, tmp_path / "a", init_layers=(1, 2)))
