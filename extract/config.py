@@ -90,10 +90,9 @@ class ExtractConfig:
         _ = self.template_kwargs  # refuses text that is not a JSON object
         if self.num_taps < 1:
             raise ValueError(f"num_taps must be >= 1, got {self.num_taps}")
-        if any(layer < 0 for layer in self.layers) or len(set(self.layers)) != len(self.layers):
-            raise ValueError(f"layer ids must be distinct and >= 0, got {list(self.layers)}")
-        if any(layer < 0 for layer in self.keep_layers) or len(set(self.keep_layers)) != len(self.keep_layers):
-            raise ValueError(f"keep_layers must be distinct and >= 0, got {list(self.keep_layers)}")
+        for what, ids in (("layer ids", self.layers), ("keep_layers", self.keep_layers)):
+            if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+                raise ValueError(f"{what} must be distinct and >= 0, got {list(ids)}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.min_supervised < 2:
