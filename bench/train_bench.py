@@ -31,7 +31,9 @@ from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings, forward_backward, make_optimizer
 
 
-def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bfloat16") -> Manifest:
+def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bfloat16", min_seq: int = 0) -> Manifest:
+    """`samples` sequences of `seq` tokens, or of lengths drawn uniformly from [min_seq, seq] (as real
+    answers vary: a batch's context then rarely ends on an attention tile)."""
     sh = SHAPES[shape]
     h, v = sh["hidden_size"], sh["vocab_size"]
     shutil.rmtree(path, ignore_errors=True)
@@ -48,8 +50,9 @@ def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bflo
     pool = torch.randn(seq, 5 * h, generator=g).bfloat16()
     with ShardWriter(path, writer_id=0) as w:
         for i in range(samples):
-            w.add(i, input_ids=torch.randint(0, v, (seq,), generator=g), loss_mask=torch.ones(seq, dtype=torch.uint8),
-                  hidden=pool)
+            n = int(torch.randint(min_seq, seq + 1, (1,), generator=g)) if min_seq else seq
+            w.add(i, input_ids=torch.randint(0, v, (n,), generator=g), loss_mask=torch.ones(n, dtype=torch.uint8),
+                  hidden=pool[:n])
     finalize_store(path, m)
     return m
 
@@ -128,7 +131,8 @@ def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | N
     """The bench's JSON line: medians over the rounds, rates, ratios to in-memory, MFU."""
     t_mem, t_store, t_side = (statistics.median(times[k]) for k in ("memory", "store", "store_side_stream"))
     return {"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-                      "layers": a.layers, "compile": a.compile, "loss_chunk": a.loss_chunk,
+                      "layers": a.layers, "compile": a.compile, "loss_chunk": a.loss_chunk, "min_seq": a.min_seq,
+                      "context_tile": a.context_tile,
                       "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
                       "ratio": t_mem / t_store, "data_wait_frac": statistics.median(waits["store"]),
@@ -146,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--samples", type=int, default=48)
     ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--min-seq", type=int, default=0, help="lengths drawn from [min-seq, seq] (0: all seq)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three variants; medians reported")
@@ -165,13 +170,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--loss-chunk", type=int, default=2048)
     ap.add_argument("--loss-backward", default="fused", choices=LOSS_BACKWARDS,
                     help="as --loss-backward in train")
+    ap.add_argument("--context-tile", type=int, default=0, help="as train.step.LossSettings.context_tile: 0 pads the "
+                    "context to FlexAttention's tile on a GPU, 1 never pads")
     ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
     return ap
 
 
 def _setup(a, dev: torch.device):
     """The bench's store, drafter, optimizer, micro-batches and loss: what python -m train builds."""
-    make_store(a.store, a.shape, a.samples, a.seq, dtype=a.dtype)
+    make_store(a.store, a.shape, a.samples, a.seq, dtype=a.dtype, min_seq=a.min_seq)
     dc = drafter_config(a.shape, a.layers, a.block_size, a.draft_vocab)
     fr = StoreReader(a.store).frozen()
     model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"],
@@ -182,7 +189,7 @@ def _setup(a, dev: torch.device):
     ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup,
                        verify_shards=a.verify_shards)
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), use_flex=dev.type == "cuda",
-                        chunk=a.loss_chunk, backward=a.loss_backward, compiled=a.compile)
+                        chunk=a.loss_chunk, backward=a.loss_backward, compiled=a.compile, context_tile=a.context_tile)
     return dc, model, opt, ds, loss
 
 

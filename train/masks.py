@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_tiles", "dense_mask", "flex_block_mask", "use_flex_attention"]
+__all__ = ["FLEX_TILE", "block_tiles", "dense_mask", "flex_block_mask", "use_flex_attention"]
+
+FLEX_TILE = 128  # the BlockMask tile: query rows x keys the kernels take or skip as one
 
 
 def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -26,7 +28,7 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
     return ctx_ok | blk_ok
 
 
-def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = 128
+def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Which [tile x tile] tiles of the mask are partly and which fully visible, straight from the anchors.
 
@@ -65,7 +67,7 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tiles.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = 128):
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE):
     """The same rule as a FlexAttention BlockMask (H=None: no per-head copy, SpecForge #452).
 
     The tiles come from block_tiles rather than create_block_mask: that one evaluates the mask over

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from train.anchors import IGNORE
 from train.data import BatchDataset, to_device
 from train.losses import LossOut, Weighting, acceptance_from_acc, draft_loss
-from train.masks import dense_mask, flex_block_mask
+from train.masks import FLEX_TILE, dense_mask, flex_block_mask
 from train.model import DFlashDrafter
 from train.replay import decode_visits, replay_counts
 
@@ -43,6 +44,9 @@ class LossSettings:
     """fused, recompute or keep: how the lm_head chunks get their gradients."""
     compiled: bool = False
     """The per-chunk softmax and gradient compiled (with --compile)."""
+    context_tile: int = 0
+    """Pad the context with hidden keys to a multiple of this many tokens, so the draft blocks start
+    on a FlexAttention tile: 0 = FLEX_TILE with use_flex, none without; 1 = never."""
     weighting: Weighting = Weighting()
     """The rows' loss weights: the fixed decay, or decode-aware ones from the step's own hits."""
 
@@ -51,6 +55,11 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU);
     with `replay`, also the accepted drafts per block (LossOut "accepts")."""
     taps = batch["hidden"]  # [b, T, K*H]: the tapped layers' states
+    tile = loss.context_tile or (FLEX_TILE if loss.use_flex else 1)
+    # keys past the last anchor are never seen, so padding the context changes nothing but where the
+    # blocks' keys start: on a tile boundary each 128-row query tile (16 blocks of 8) meets its own
+    # blocks in one kv tile instead of two, a quarter fewer tiles for the attention kernels to visit
+    taps = F.pad(taps, (0, 0, 0, -taps.shape[1] % tile))  # [b, T', K*H], T' a multiple of tile
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
     mask = (flex_block_mask if loss.use_flex else dense_mask)(batch["anchors"], t, loss.block_size)

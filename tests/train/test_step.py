@@ -1,0 +1,79 @@
+"""train.step: padding the context to the attention tile changes no number, only the kernels' tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.anchors import build_blocks, sample_anchors
+from train.masks import FLEX_TILE, block_tiles
+from train.model import DFlashDrafter, DrafterConfig
+from train.step import LossSettings, forward_backward
+
+DC = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   vocab_size=300, num_taps=3, block_size=8, mask_token_id=299)
+
+
+def _batch(g: torch.Generator, lens=(300, 173), n=24) -> dict[str, torch.Tensor]:
+    bs, t = DC.block_size, max(lens)
+    out = {"hidden": torch.randn(len(lens), t, DC.num_taps * DC.hidden_size, generator=g),
+           "anchors": torch.full((len(lens), n), -1, dtype=torch.long),
+           "block_ids": torch.full((len(lens), n * bs), DC.mask_token_id),
+           "block_pos": torch.zeros(len(lens), n * bs, dtype=torch.long), "labels": torch.full((len(lens), n * bs), -100)}
+    for j, L in enumerate(lens):
+        ids = torch.randint(0, DC.vocab_size - 1, (L,), generator=g)
+        mask = torch.ones(L, dtype=torch.uint8)
+        a = sample_anchors(mask, n, g)
+        bi, bp, bl = build_blocks(ids, mask, a, bs, DC.mask_token_id)
+        m = len(a) * bs
+        out["anchors"][j, : len(a)] = a
+        out["block_ids"][j, :m], out["block_pos"][j, :m], out["labels"][j, :m] = bi, bp, bl
+    return out
+
+
+def _run(batch, tile: int):
+    g = torch.Generator().manual_seed(1)
+    model = DFlashDrafter(DC, torch.randn(300, 64, generator=g), torch.randn(300, 64, generator=g))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    out = forward_backward(model, batch, LossSettings(block_size=DC.block_size, gamma=4.0, context_tile=tile))
+    return out, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("tile", [64, FLEX_TILE])
+def test_padded_context_gives_the_same_loss_hits_and_gradients(tile):
+    batch = _batch(torch.Generator().manual_seed(0))
+    (plain, g_plain), (padded, g_padded) = _run(batch, 1), _run(batch, tile)
+    assert batch["hidden"].shape[1] % tile != 0  # the case that pads
+    torch.testing.assert_close(padded["loss"], plain["loss"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(padded["correct"], plain["correct"]) and torch.equal(padded["count"], plain["count"])
+    torch.testing.assert_close(g_padded, g_plain, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("tile", "seen"), [(0, 300), (1, 300), (64, 320), (FLEX_TILE, 384)])
+def test_the_drafter_sees_the_context_padded_to_the_tile(tile, seen):
+    """0 pads nothing without FlexAttention (the CPU path); the context reaches the drafter padded."""
+    batch = _batch(torch.Generator().manual_seed(0))
+    model = DFlashDrafter(DC, torch.randn(300, 64), torch.randn(300, 64))
+    lengths = []
+    model.register_forward_pre_hook(lambda _m, args: lengths.append(args[0].shape[1]))
+    forward_backward(model, batch, LossSettings(block_size=DC.block_size, gamma=4.0, context_tile=tile))
+    assert lengths == [seen]
+
+
+def test_an_aligned_context_puts_each_query_tiles_blocks_in_one_kv_tile():
+    """Why the padding pays: 16 blocks of 8 fill a query tile; after an unaligned context their keys
+    straddle two kv tiles, after an aligned one they fill exactly one, and fewer tiles are visited."""
+    anchors = _batch(torch.Generator().manual_seed(0), lens=(300, 290, 173), n=48)["anchors"]
+    t = 300
+    aligned = -(-t // FLEX_TILE) * FLEX_TILE
+    visited = {}
+    for ctx in (t, aligned):
+        partial, full = block_tiles(anchors, ctx, DC.block_size)
+        visited[ctx] = partial | full  # [B, QT, KVT]
+    per_q_tile = visited[aligned][:, :, aligned // FLEX_TILE:].sum(-1)  # kv tiles of block keys only
+    rows = (anchors >= 0).sum(1) * DC.block_size  # real query rows per sample
+    for b in range(anchors.shape[0]):
+        assert (per_q_tile[b, : int(rows[b]) // FLEX_TILE] == 1).all(), (b, per_q_tile[b])
+    assert visited[aligned].sum() < visited[t].sum()
