@@ -132,7 +132,7 @@ def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | N
     t_mem, t_store, t_side = (statistics.median(times[k]) for k in ("memory", "store", "store_side_stream"))
     return {"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                       "layers": a.layers, "compile": a.compile, "loss_chunk": a.loss_chunk, "min_seq": a.min_seq,
-                      "context_tile": a.context_tile,
+                      "context_tile": a.context_tile, "split_blocks": a.split_blocks,
                       "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
                       "ratio": t_mem / t_store, "data_wait_frac": statistics.median(waits["store"]),
@@ -172,6 +172,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="as --loss-backward in train")
     ap.add_argument("--context-tile", type=int, default=0, help="as train.step.LossSettings.context_tile: 0 pads the "
                     "context to FlexAttention's tile on a GPU, 1 never pads")
+    ap.add_argument("--split-blocks", action="store_true", help="as --split-blocks in train")
     ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
     return ap
 
@@ -189,7 +190,8 @@ def _setup(a, dev: torch.device):
     ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup,
                        verify_shards=a.verify_shards)
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), use_flex=dev.type == "cuda",
-                        chunk=a.loss_chunk, backward=a.loss_backward, compiled=a.compile, context_tile=a.context_tile)
+                        chunk=a.loss_chunk, backward=a.loss_backward, compiled=a.compile, context_tile=a.context_tile,
+                        split_blocks=a.split_blocks)
     return dc, model, opt, ds, loss
 
 

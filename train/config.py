@@ -124,6 +124,9 @@ class TrainConfig:
     second's rate (docs/BENCHMARKS.md)."""
     attention: str = "auto"
     """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
+    split_blocks: bool = False
+    """Attend to the context and to each draft block's own keys apart and merge the two by their
+    log-sum-exps (train.attention): the same attention, with no kernel tile spent on the blocks' keys."""
     compile: bool = False
     """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient (GPU)."""
     loss_chunk: int = 2048

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLEX_TILE", "block_tiles", "dense_mask", "flex_block_mask", "use_flex_attention"]
+__all__ = ["FLEX_TILE", "block_tiles", "dense_context_mask", "dense_mask", "flex_block_mask", "flex_context_mask",
+           "use_flex_attention"]
 
 FLEX_TILE = 128  # the BlockMask tile: query rows x keys the kernels take or skip as one
 
@@ -91,6 +92,29 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
     (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
                                     seq_lengths=(q_len, kv_len))
+
+
+def dense_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """The context part of dense_mask alone: anchors [B, N] -> bool [B, N*bs, ctx_len] (train.attention)."""
+    q_blk = torch.arange(anchors.shape[1] * block_size, device=anchors.device) // block_size  # [Q]
+    return torch.arange(ctx_len, device=anchors.device)[None, None] < anchors[:, q_blk, None]
+
+
+def flex_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE):
+    """dense_context_mask as a FlexAttention BlockMask over the ctx_len context keys only: the tiles
+    of block_tiles left of the blocks' keys (with a context padded to the tile, no tile holds both)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    q_len, kvt = anchors.shape[1] * block_size, -(-ctx_len // tile)
+
+    def mask_mod(bi, _h, q_idx, kv_idx):
+        return kv_idx < anchors[bi, q_idx // block_size]
+
+    partial, full = block_tiles(anchors, ctx_len, block_size, tile)
+    partial, full = partial[..., :kvt], full[..., :kvt]
+    (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+                                    seq_lengths=(q_len, ctx_len))
 
 
 FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels refuse smaller heads (inductor's "NYI: embedding dimension")

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.attention import SplitMask, split_attention
 from train.modeling_dflash import RMSNorm, apply_rope, rope_cos_sin
 from train.vocab import draft_labels, target_to_draft
 
@@ -54,6 +55,14 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
+def _flex():
+    """flex_attention as a layer calls it: inside a compiled layer the plain function is traced;
+    eager needs the compiled one."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+
+
 class DraftLayer(nn.Module):
     def __init__(self, c: DrafterConfig) -> None:
         super().__init__()
@@ -86,15 +95,14 @@ class DraftLayer(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(h).view(b, q_len, -1, hd)).transpose(1, 2), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(h).view(b, q_len, -1, hd)).transpose(1, 2), cos, sin)
         v = self.v_proj(h).view(b, q_len, -1, hd).transpose(1, 2)
-        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
-        if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
-            from torch.nn.attention.flex_attention import flex_attention
-
-            # inside a compiled layer the plain function is traced; eager needs the compiled one
-            flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-            o = flex(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
+        if isinstance(mask, SplitMask):  # context and own block attended apart (train.attention)
+            o = split_attention(q, k, v, ctx_k, ctx_v, mask, flex=_flex())
+        elif mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
+            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
+            o = _flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
         else:
             rep = self.c.num_heads // self.c.num_kv_heads
+            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask is not None else None)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))

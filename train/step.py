@@ -15,9 +15,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from train.anchors import IGNORE
+from train.attention import SplitMask
 from train.data import BatchDataset, to_device
 from train.losses import LossOut, Weighting, acceptance_from_acc, draft_loss
-from train.masks import FLEX_TILE, dense_mask, flex_block_mask
+from train.masks import FLEX_TILE, dense_context_mask, dense_mask, flex_block_mask, flex_context_mask
 from train.model import DFlashDrafter
 from train.replay import decode_visits, replay_counts
 
@@ -44,6 +45,9 @@ class LossSettings:
     """fused, recompute or keep: how the lm_head chunks get their gradients."""
     compiled: bool = False
     """The per-chunk softmax and gradient compiled (with --compile)."""
+    split_blocks: bool = False
+    """Attend to the context and to the own block apart and merge them (train.attention), so the
+    attention kernels visit no tile of the blocks' keys."""
     context_tile: int = 0
     """Pad the context with hidden keys to a multiple of this many tokens, so the draft blocks start
     on a FlexAttention tile: 0 = FLEX_TILE with use_flex, none without; 1 = never."""
@@ -62,7 +66,11 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     taps = F.pad(taps, (0, 0, 0, -taps.shape[1] % tile))  # [b, T', K*H], T' a multiple of tile
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
-    mask = (flex_block_mask if loss.use_flex else dense_mask)(batch["anchors"], t, loss.block_size)
+    if loss.split_blocks:
+        ctx_mask = (flex_context_mask if loss.use_flex else dense_context_mask)(batch["anchors"], t, loss.block_size)
+        mask = SplitMask(ctx_mask, loss.block_size)
+    else:
+        mask = (flex_block_mask if loss.use_flex else dense_mask)(batch["anchors"], t, loss.block_size)
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
