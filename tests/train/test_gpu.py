@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.anchors import build_blocks, sample_anchors
+from tests.train.test_step import _batch as cpu_batch
 from train.masks import dense_mask, flex_block_mask
 from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings, forward_backward
@@ -14,19 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _batch(dc: DrafterConfig, g: torch.Generator) -> dict[str, torch.Tensor]:
-    lens, bs, n = [300, 173], dc.block_size, 24
-    t = max(lens)
-    out = {"hidden": torch.randn(2, t, dc.num_taps * dc.hidden_size, generator=g).bfloat16(),
-           "anchors": torch.full((2, n), -1, dtype=torch.long), "block_ids": torch.full((2, n * bs), dc.mask_token_id),
-           "block_pos": torch.zeros(2, n * bs, dtype=torch.long), "labels": torch.full((2, n * bs), -100)}
-    for j, L in enumerate(lens):
-        ids = torch.randint(0, dc.vocab_size - 1, (L,), generator=g)
-        mask = torch.ones(L, dtype=torch.uint8)
-        a = sample_anchors(mask, n, g)
-        bi, bp, bl = build_blocks(ids, mask, a, bs, dc.mask_token_id)
-        m = len(a) * bs
-        out["anchors"][j, : len(a)] = a
-        out["block_ids"][j, :m], out["block_pos"][j, :m], out["labels"][j, :m] = bi, bp, bl
+    out = cpu_batch(g, dc=dc)
+    out["hidden"] = out["hidden"].bfloat16()
     return {k: v.cuda() for k, v in out.items()}
 
 

@@ -14,17 +14,18 @@ DC = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_head
                    vocab_size=300, num_taps=3, block_size=8, mask_token_id=299)
 
 
-def _batch(g: torch.Generator, lens=(300, 173), n=24) -> dict[str, torch.Tensor]:
-    bs, t = DC.block_size, max(lens)
-    out = {"hidden": torch.randn(len(lens), t, DC.num_taps * DC.hidden_size, generator=g),
+def _batch(g: torch.Generator, lens=(300, 173), n=24, dc: DrafterConfig = DC) -> dict[str, torch.Tensor]:
+    """A collated micro-batch of random answers (every position supervised), float32 on the CPU."""
+    bs, t = dc.block_size, max(lens)
+    out = {"hidden": torch.randn(len(lens), t, dc.num_taps * dc.hidden_size, generator=g),
            "anchors": torch.full((len(lens), n), -1, dtype=torch.long),
-           "block_ids": torch.full((len(lens), n * bs), DC.mask_token_id),
+           "block_ids": torch.full((len(lens), n * bs), dc.mask_token_id),
            "block_pos": torch.zeros(len(lens), n * bs, dtype=torch.long), "labels": torch.full((len(lens), n * bs), -100)}
     for j, L in enumerate(lens):
-        ids = torch.randint(0, DC.vocab_size - 1, (L,), generator=g)
+        ids = torch.randint(0, dc.vocab_size - 1, (L,), generator=g)
         mask = torch.ones(L, dtype=torch.uint8)
         a = sample_anchors(mask, n, g)
-        bi, bp, bl = build_blocks(ids, mask, a, bs, DC.mask_token_id)
+        bi, bp, bl = build_blocks(ids, mask, a, bs, dc.mask_token_id)
         m = len(a) * bs
         out["anchors"][j, : len(a)] = a
         out["block_ids"][j, :m], out["block_pos"][j, :m], out["labels"][j, :m] = bi, bp, bl
