@@ -6,7 +6,7 @@ that is 1/16 visible (sixteen 8-token blocks on its diagonal; two at 1/32 where 
 not end on a tile), the largest share of the tiles the kernels visit at the SmolLM2 shape
 (docs/benchmarks/2026-12-03_reach-full-run_h200.md). Here the context part runs alone (FlexAttention
 on a GPU, a dense masked product on the CPU), the own block as a dense [block x block] product per
-block, and the two softmaxes are joined by their log-sum-exps: the same attention, exactly.
+block, and the two softmaxes are joined by their log-sum-exps: the same attention (up to rounding).
 
 Shapes: B batch, nh query heads, nkv kv heads, Q = N blocks x bs query rows, T context keys, hd head dim.
 """

@@ -63,7 +63,8 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     # keys past the last anchor are never seen, so padding the context changes nothing but where the
     # blocks' keys start: on a tile boundary each 128-row query tile (16 blocks of 8) meets its own
     # blocks in one kv tile instead of two, a quarter fewer tiles for the attention kernels to visit
-    taps = F.pad(taps, (0, 0, 0, -taps.shape[1] % tile))  # [b, T', K*H], T' a multiple of tile
+    if taps.shape[1] % tile:
+        taps = F.pad(taps, (0, 0, 0, -taps.shape[1] % tile))  # [b, T', K*H], T' a multiple of tile
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
     if loss.split_blocks:
