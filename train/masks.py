@@ -21,25 +21,29 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
     """anchors [B, N] (-1 = padding) -> bool [B, N*bs, ctx_len + N*bs], True = may attend."""
     b, n = anchors.shape
     q_blk = torch.arange(n * block_size, device=anchors.device) // block_size  # [Q]
-    kv = torch.arange(ctx_len + n * block_size, device=anchors.device)  # [KV]
-    anchor_q = anchors[:, q_blk]  # [B, Q]
-    ctx_ok = (kv[None, None] < ctx_len) & (kv[None, None] < anchor_q[..., None])
-    kv_blk = (kv - ctx_len).div(block_size, rounding_mode="floor")
-    blk_ok = (kv[None, None] >= ctx_len) & (kv_blk[None, None] == q_blk[None, :, None])
-    return ctx_ok | blk_ok
+    own = (q_blk[:, None] == q_blk[None, :]).expand(b, -1, -1)  # [B, Q, Q]: the keys of the row's own block
+    return torch.cat([dense_context_mask(anchors, ctx_len, block_size), own], dim=-1)
 
 
-def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """The context part of dense_mask alone: anchors [B, N] -> bool [B, N*bs, ctx_len] (train.attention)."""
+    q_blk = torch.arange(anchors.shape[1] * block_size, device=anchors.device) // block_size  # [Q]
+    return torch.arange(ctx_len, device=anchors.device)[None, None] < anchors[:, q_blk, None]
+
+
+def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE, *,
+                blocks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Which [tile x tile] tiles of the mask are partly and which fully visible, straight from the anchors.
 
     anchors [B, N] -> (partial, full), bool [B, QT, KVT] with QT = ceil(N*bs / tile), KVT = ceil(KV / tile).
     Exactly what create_block_mask finds by evaluating the mask over the whole [Q, KV] grid (rows
     and keys past the ends count as hidden, so a tile that crosses an end is never full), but with
-    no grid and no compile: per query row only the row's anchor and own block matter.
+    no grid and no compile: per query row only the row's anchor and own block matter. With
+    blocks=False the keys are the context's alone (KV = ctx_len: dense_context_mask's tiles).
     """
     b, n = anchors.shape
-    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    q_len = n * block_size
+    kv_len = ctx_len + q_len if blocks else ctx_len
     qt, kvt = -(-q_len // tile), -(-kv_len // tile)
     dev = anchors.device
     rows = torch.arange(qt * tile, device=dev)  # [R] query rows, padded to whole tiles
@@ -52,8 +56,9 @@ def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int 
     hi = lo + tile
     ctx_hi = hi.clamp(max=ctx_len)
     # some key visible: a context key below the anchor, or a key of the row's own block
-    some = (lo < a.clamp(0, ctx_len)) | \
-        (torch.maximum(lo, own_lo) < torch.minimum(hi, own_hi))  # [B, R, KVT]
+    some = lo < a.clamp(0, ctx_len)  # [B, R, KVT]
+    if blocks:
+        some = some | (torch.maximum(lo, own_lo) < torch.minimum(hi, own_hi))
     # every key visible: the tile's context part below the anchor, its block part inside the own block
     every = (hi <= kv_len) & ((lo >= ctx_len) | (ctx_hi <= a)) & \
         ((hi <= ctx_len) | ((own_lo <= lo.clamp(min=ctx_len)) & (hi <= own_hi)))
@@ -68,6 +73,15 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tiles.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
 
 
+def _block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, tile: int, seq_lengths: tuple[int, int]):
+    """A FlexAttention BlockMask (H=None) from block_tiles' partly and fully visible tiles."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+                                    seq_lengths=seq_lengths)
+
+
 def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE):
     """The same rule as a FlexAttention BlockMask (H=None: no per-head copy, SpecForge #452).
 
@@ -76,10 +90,7 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
     of a fresh machine's first step (docs/BENCHMARKS.md). The partly visible tiles still apply
     mask_mod elementwise inside the kernel.
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
-    b, n = anchors.shape
-    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    q_len = anchors.shape[1] * block_size
 
     def mask_mod(bi, _h, q_idx, kv_idx):
         q_blk = q_idx // block_size
@@ -88,33 +99,18 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
         own = (kv_idx - ctx_len) // block_size == q_blk
         return (in_ctx & (kv_idx < anchor)) | (~in_ctx & own)
 
-    partial, full = block_tiles(anchors, ctx_len, block_size, tile)
-    (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
-                                    seq_lengths=(q_len, kv_len))
-
-
-def dense_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """The context part of dense_mask alone: anchors [B, N] -> bool [B, N*bs, ctx_len] (train.attention)."""
-    q_blk = torch.arange(anchors.shape[1] * block_size, device=anchors.device) // block_size  # [Q]
-    return torch.arange(ctx_len, device=anchors.device)[None, None] < anchors[:, q_blk, None]
+    return _block_mask(*block_tiles(anchors, ctx_len, block_size, tile), mask_mod, tile, (q_len, ctx_len + q_len))
 
 
 def flex_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE):
-    """dense_context_mask as a FlexAttention BlockMask over the ctx_len context keys only: the tiles
-    of block_tiles left of the blocks' keys (with a context padded to the tile, no tile holds both)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    q_len, kvt = anchors.shape[1] * block_size, -(-ctx_len // tile)
+    """dense_context_mask as a FlexAttention BlockMask over the ctx_len context keys only."""
+    q_len = anchors.shape[1] * block_size
 
     def mask_mod(bi, _h, q_idx, kv_idx):
         return kv_idx < anchors[bi, q_idx // block_size]
 
-    partial, full = block_tiles(anchors, ctx_len, block_size, tile)
-    partial, full = partial[..., :kvt], full[..., :kvt]
-    (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
-                                    seq_lengths=(q_len, ctx_len))
+    return _block_mask(*block_tiles(anchors, ctx_len, block_size, tile, blocks=False), mask_mod, tile,
+                       (q_len, ctx_len))
 
 
 FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels refuse smaller heads (inductor's "NYI: embedding dimension")

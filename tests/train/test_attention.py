@@ -7,7 +7,7 @@ import torch
 
 from tests.train.test_step import DC, _batch
 from train.attention import block_attention, masked_attention, merge_attention
-from train.masks import FLEX_TILE, dense_context_mask, dense_mask, flex_context_mask
+from train.masks import FLEX_TILE, dense_context_mask, flex_context_mask
 from train.model import DFlashDrafter
 from train.step import LossSettings, forward_backward
 
@@ -67,9 +67,13 @@ def test_merging_two_disjoint_key_sets_equals_attending_to_their_union():
     torch.testing.assert_close(merged, _naive(q, k, v, a | b)[0], rtol=1e-5, atol=1e-6)
 
 
-def test_the_context_mask_is_the_context_part_of_the_whole_mask():
+def test_the_context_mask_sees_the_keys_before_each_blocks_anchor():
     anchors = _batch(torch.Generator().manual_seed(0))["anchors"]
-    assert torch.equal(dense_context_mask(anchors, 300, 8), dense_mask(anchors, 300, 8)[..., :300])
+    got = dense_context_mask(anchors, 300, 8)  # [B, Q, T]
+    for i in range(anchors.shape[0]):
+        for r in range(got.shape[1]):
+            p = int(anchors[i, r // 8])
+            assert got[i, r].tolist() == [kv < p for kv in range(300)]
 
 
 @pytest.mark.parametrize("ctx", [300, 384])

@@ -59,15 +59,18 @@ def test_flex_mask_matches_loop_on_cpu():
     (64, 8, 16, [[63, 62, 61, 60, 10, 11, 12, 13]]),
     (7, 2, 4, [[6, 5, 4, 3, 2, 1, 0]]),
 ])
-def test_block_tiles_match_the_loop_oracle(ctx_len, bs, tile, anchors):
+@pytest.mark.parametrize("blocks", [True, False])
+def test_block_tiles_match_the_loop_oracle(ctx_len, bs, tile, anchors, blocks):
     dense = mask_oracle(anchors, ctx_len, bs)  # [B, Q, KV]
+    if not blocks:  # the context's keys alone (train.attention's context part)
+        dense = dense[..., :ctx_len]
     b, q, kv = dense.shape
     qt, kvt = -(-q // tile), -(-kv // tile)
     padded = torch.zeros(b, qt * tile, kvt * tile, dtype=torch.bool)  # rows and keys past the ends: hidden
     padded[:, :q, :kv] = dense
     per_tile = padded.view(b, qt, tile, kvt, tile).permute(0, 1, 3, 2, 4).reshape(b, qt, kvt, tile * tile)
     want_full, want_some = per_tile.all(-1), per_tile.any(-1)
-    partial, full = block_tiles(torch.tensor(anchors), ctx_len, bs, tile)
+    partial, full = block_tiles(torch.tensor(anchors), ctx_len, bs, tile, blocks=blocks)
     assert torch.equal(full, want_full)
     assert torch.equal(partial, want_some & ~want_full)
 
