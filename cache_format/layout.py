@@ -32,6 +32,7 @@ from cache_format.errors import CacheFormatError
 from cache_format.schema import Manifest
 
 __all__ = [
+    "KEPT_LAYER_PREFIX",
     "MANIFEST_KEY",
     "STATE_KEY",
     "TokenArray",
@@ -50,6 +51,7 @@ __all__ = [
 MANIFEST_KEY = "draftcache"
 STATE_KEY = "draftcache_state"
 FROZEN_FILE = "frozen.safetensors"
+KEPT_LAYER_PREFIX = "layers."  # the frozen file's kept decoder layers: layers.{id}.{drafter name}
 PROMPTS_FILE = "prompts.safetensors"  # optional: sample id -> key of its prompt (held-out splits by prompt)
 
 

@@ -25,6 +25,7 @@ from cache_format.errors import CacheFormatError, brief
 from cache_format.index import load_index
 from cache_format.layout import (
     FROZEN_FILE,
+    KEPT_LAYER_PREFIX,
     PROMPTS_FILE,
     STATE_KEY,
     read_manifest,
@@ -147,16 +148,28 @@ class StoreReader:
         return np.where(ids[order[pos]] == mine, keys[order[pos]], own)
 
     def frozen(self) -> dict[str, torch.Tensor]:
-        """The target's frozen embedding, lm_head and final norm saved in the store (and the decoder
-        layers extraction kept, as layers.{id}.*)."""
-        from safetensors.torch import load_file
+        """The target's frozen embedding, lm_head and final norm saved in the store."""
+        return self._frozen(lambda name: not name.startswith(KEPT_LAYER_PREFIX), tied=True)
+
+    def kept_layers(self) -> dict[str, torch.Tensor]:
+        """The decoder layers extraction kept (extract --keep-layers) as layers.{id}.*, and the final
+        norm.weight: what train --init-layers starts a drafter from. Read apart from frozen(), so a
+        run reads each tensor of the file once and a run without --init-layers none of these."""
+        return self._frozen(lambda name: name.startswith(KEPT_LAYER_PREFIX) or name == "norm.weight", tied=False)
+
+    def _frozen(self, wanted, *, tied: bool) -> dict[str, torch.Tensor]:
+        """The tensors of the frozen file whose names `wanted` takes (only those are read); with
+        `tied`, lm_head.weight is the embedding where the file stores them once."""
+        from safetensors import safe_open
 
         path = self.root / FROZEN_FILE
         if not path.exists():
             raise CacheFormatError(f"{self.root}: store has no {FROZEN_FILE} (embedding, lm_head, norm)")
         try:
-            parts = load_file(str(path))
-            parts.setdefault("lm_head.weight", parts["embed_tokens.weight"])  # tied embeddings
+            with safe_open(str(path), framework="pt") as f:
+                parts = {name: f.get_tensor(name) for name in f.keys() if wanted(name)}
+            if tied:
+                parts.setdefault("lm_head.weight", parts["embed_tokens.weight"])  # tied embeddings
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
             raise CacheFormatError(f"{path}: damaged ({brief(e)}); "
                                    "extract the store again") from None

@@ -25,6 +25,7 @@ import torch
 from cache_format.checksums import sha256_file
 from cache_format.converted import entry_lock, gguf_parsed_once, read_entry, write_entry, write_hf_dir
 from cache_format.errors import brief
+from cache_format.layout import KEPT_LAYER_PREFIX
 from cache_format.schema import TargetInfo
 
 __all__ = ["LoadedTarget", "capture", "choose_mask_token", "decoder_parts", "load_target", "mask_token_of",
@@ -267,7 +268,7 @@ def frozen_parts(model: torch.nn.Module, keep_layers: tuple[int, ...] = ()) -> d
         if lacking:
             raise ValueError(f"keep_layers: decoder layer {lid} has no {lacking[0]}: not a layer a drafter layer can "
                              "start from")
-        out.update({f"layers.{lid}.{mine}": own[theirs].detach() for theirs, mine in LAYER_WEIGHTS.items()
+        out.update({f"{KEPT_LAYER_PREFIX}{lid}.{mine}": own[theirs].detach() for theirs, mine in LAYER_WEIGHTS.items()
                     if theirs in own})
     return out
 

@@ -13,6 +13,7 @@ import torch
 
 from cache_format import StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
+from cache_format.layout import KEPT_LAYER_PREFIX
 from cache_format.prompts import DOMAINS, heldout_domains
 from cache_format.schema import Manifest
 from train.checkpoint import load_checkpoint
@@ -64,17 +65,17 @@ def build_drafter(dc: DrafterConfig, frozen: dict[str, torch.Tensor],
     return DFlashDrafter(dc, emb, head, draft_ids)
 
 
-def target_layer_weights(frozen: dict[str, torch.Tensor], ids: tuple[int, ...], store: str) -> dict[str, torch.Tensor]:
+def target_layer_weights(kept: dict[str, torch.Tensor], ids: tuple[int, ...], store: str) -> dict[str, torch.Tensor]:
     """Drafter weights `layers.{j}.*` from the target's decoder layer ids[j] and `norm.weight` from
-    its final norm, as the store keeps them (extract --keep-layers); ValueError naming a layer it lacks."""
-    kept = sorted({int(k.split(".")[1]) for k in frozen if k.startswith("layers.")})
-    out = {"norm.weight": frozen["norm.weight"].float()}
+    its final norm, as the store keeps them (StoreReader.kept_layers); ValueError naming a layer it lacks."""
+    have = sorted({int(k.split(".")[1]) for k in kept if k.startswith(KEPT_LAYER_PREFIX)})
+    out = {"norm.weight": kept["norm.weight"].float()}
     for j, lid in enumerate(ids):
-        head = f"layers.{lid}."
-        got = {k[len(head):]: v for k, v in frozen.items() if k.startswith(head)}
+        head = f"{KEPT_LAYER_PREFIX}{lid}."
+        got = {k[len(head):]: v for k, v in kept.items() if k.startswith(head)}
         if not got:
             raise ValueError(f"{store}: --init-layers: target layer {lid} is not kept in the store (it keeps "
-                             f"{kept or 'none'}; extract with --keep-layers)")
+                             f"{have or 'none'}; extract with --keep-layers)")
         out.update({f"layers.{j}.{k}": v.float() for k, v in got.items()})
     return out
 
@@ -85,7 +86,7 @@ def initial_weights(cfg: TrainConfig, dc: DrafterConfig, layer_ids: list[int],
     the target's layers kept in the store (--init-layers)."""
     if cfg.init_from:
         return f"--init-from {cfg.init_from}", start_weights(cfg.init_from, dc, layer_ids)
-    return f"--init-layers {list(cfg.init_layers)}", target_layer_weights(reader.frozen(), cfg.init_layers, cfg.store)
+    return f"--init-layers {list(cfg.init_layers)}", target_layer_weights(reader.kept_layers(), cfg.init_layers, cfg.store)
 
 
 def draft_vocab_of(n: int, reader: StoreReader, held: np.ndarray | None, vocab_size: int, *,
