@@ -170,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--loss-chunk", type=int, default=2048)
     ap.add_argument("--loss-backward", default="fused", choices=LOSS_BACKWARDS,
                     help="as --loss-backward in train")
-    ap.add_argument("--context-tile", type=int, default=0, help="as train.step.LossSettings.context_tile: 0 pads the "
+    ap.add_argument("--context-tile", type=int, default=1, help="as train.step.LossSettings.context_tile: 0 pads the "
                     "context to FlexAttention's tile on a GPU, 1 never pads")
     ap.add_argument("--split-blocks", action="store_true", help="as --split-blocks in train")
     ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")

@@ -127,6 +127,11 @@ class TrainConfig:
     split_blocks: bool = False
     """Attend to the context and to each draft block's own keys apart and merge the two by their
     log-sum-exps (train.attention): the same attention, with no kernel tile spent on the blocks' keys."""
+    context_tile: int = 1
+    """Pad the context with keys no query sees to a multiple of this many tokens, so the draft blocks'
+    keys start on a FlexAttention tile (fewer tiles visited): 1 never pads (default: the path the
+    preset's figures were measured on), 0 pads to FlexAttention's 128-token tile when it runs. Exact
+    (tests/train/test_step.py); its step time on a GPU is not measured yet."""
     compile: bool = False
     """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient (GPU)."""
     loss_chunk: int = 2048
@@ -222,6 +227,8 @@ class TrainConfig:
                 raise ValueError(f"--{flag} needs the {module} package: pip install {module}")
         if self.verify_shards not in ("auto", "on", "off"):
             raise ValueError(f"verify_shards must be auto, on or off, got {self.verify_shards!r}")
+        if self.context_tile < 0:
+            raise ValueError(f"context_tile must be >= 0 (0: FlexAttention's tile, 1: no padding), got {self.context_tile}")
         if self.attention not in ("auto", "flex", "sdpa"):
             raise ValueError(f"attention must be auto, flex or sdpa, got {self.attention!r}")
 

@@ -48,9 +48,9 @@ class LossSettings:
     split_blocks: bool = False
     """Attend to the context and to the own block apart and merge them (train.attention), so the
     attention kernels visit no tile of the blocks' keys."""
-    context_tile: int = 0
+    context_tile: int = 1
     """Pad the context with hidden keys to a multiple of this many tokens, so the draft blocks start
-    on a FlexAttention tile: 0 = FLEX_TILE with use_flex, none without; 1 = never."""
+    on a FlexAttention tile: 0 = FLEX_TILE with use_flex, none without; 1 = never (default)."""
     weighting: Weighting = Weighting()
     """The rows' loss weights: the fixed decay, or decode-aware ones from the step's own hits."""
 

@@ -78,3 +78,15 @@ def test_an_aligned_context_puts_each_query_tiles_blocks_in_one_kv_tile():
     for b in range(anchors.shape[0]):
         assert (per_q_tile[b, : int(rows[b]) // FLEX_TILE] == 1).all(), (b, per_q_tile[b])
     assert visited[aligned].sum() < visited[t].sum()
+
+
+def test_train_context_tile_maps_onto_the_loss_and_refuses_a_negative_tile(tmp_path):
+    """--context-tile reaches LossSettings as given (1, no padding, by default); below 0 is one line."""
+    from train.config import TrainConfig
+    from train.start import loss_settings
+
+    base = {"store": str(tmp_path / "s.zarr"), "out": str(tmp_path / "run")}
+    assert loss_settings(TrainConfig(**base), torch.device("cpu"), DC).context_tile == 1
+    assert loss_settings(TrainConfig(**base, context_tile=0), torch.device("cpu"), DC).context_tile == 0
+    with pytest.raises(ValueError, match="context_tile must be >= 0"):
+        TrainConfig(**base, context_tile=-1)
