@@ -111,15 +111,22 @@ def _writer_entries(logs: dict[str, bytes]) -> list[tuple[int, list[dict[str, An
     return [(int(Path(key).stem[1:]), parse_commit_lines(raw, key)) for key, raw in logs.items()]
 
 
-def _settled_shards(m: Manifest, logs: dict[str, bytes]) -> list[str]:
+def _settled_shards(m: Manifest, logs: dict[str, bytes], *, partly: bool = False) -> list[str]:
     """The data files (relative keys) of the shards whose every row the done-log snapshots commit:
     the rows below a writer's committed end are never read or written again, even by a resume. A
     shard whose entry says it is full is not enough: a sample that began in it and ends in a later
     shard may not be committed, and a resuming writer then reads that shard back and rewrites it
-    (ShardWriter._recover) -- evicting it meanwhile raced the writer's own tail flush."""
+    (ShardWriter._recover) -- evicting it meanwhile raced the writer's own tail flush.
+    partly: also the shard each committed end lies in (every shard a reader may need)."""
     arrays, rps = token_arrays(m), m.rows_per_shard
     return [k for writer, entries in _writer_entries(logs) for bucket, n in committed_rows(entries).items()
-            for shard in range(n // rps) for k in shard_keys(arrays, group_key(writer, bucket), shard)]
+            for shard in range(-(-n // rps) if partly else n // rps)
+            for k in shard_keys(arrays, group_key(writer, bucket), shard)]
+
+
+def _lost(url: str, key: str, why: str) -> CacheFormatError:
+    return CacheFormatError(f"{url}/{key}: committed by commits/{key.split('/')[0]}.jsonl but missing from the "
+                            f"object store{why}; write the store again (extract --overwrite)")
 
 
 class Mirror:
@@ -159,6 +166,15 @@ class Mirror:
         self.sent[key] = (len(data), -1, -1) if snapshot else _signature(stat)
         self.bytes_sent += len(data)
 
+    def _on_server(self, key: str, size: int) -> bool | None:
+        """Whether the server holds `key` at `size` bytes; None where it cannot tell now."""
+        try:
+            return int(obstore.head(self.bucket, key)["size"]) == size
+        except (FileNotFoundError, NotFoundError):
+            return False
+        except Exception:  # noqa: BLE001 - unreachable for now: ask again at the next push
+            return None
+
     def _evict(self, logs: dict[str, bytes]) -> None:
         for key in _settled_shards(read_manifest(self.local), logs):
             p = self.local / key
@@ -166,13 +182,32 @@ class Mirror:
                 st = p.stat()
             except FileNotFoundError:
                 continue  # evicted before
-            if self.sent.get(key) == _signature(st):  # on the server as it is here
+            if self.sent.get(key) != _signature(st):
+                continue  # not sent as it is here
+            # the one copy leaves this machine only once the server shows it (one HEAD per shard)
+            there = self._on_server(key, st.st_size)
+            if there:
                 p.unlink()
+            elif there is False:  # acknowledged, yet not there: send it again next push
+                del self.sent[key]
 
-    def push(self) -> None:
+    def _check_complete(self, logs: dict[str, bytes]) -> None:
+        """Every shard the done-log snapshots commit is on the server (one listing): one still in the
+        stage is sent again, one gone from both is a one-line error, before the root goes up."""
+        there = _listing(self.bucket, self.url)
+        for key in _settled_shards(read_manifest(self.local), logs, partly=True):
+            if key in there:
+                continue
+            if not (self.local / key).exists():
+                raise _lost(self.url, key, f" and no longer in the staging directory {self.local}")
+            self.sent.pop(key, None)
+            self._put(key)
+
+    def push(self, *, final: bool = False) -> None:
         """One pass: the root zarr.json (the first time); done-log snapshots; then the shards and the arrays' metadata (their shapes grow
         with the rows written), read now, so at least as new as the snapshots; then the snapshots;
-        the rest; the root zarr.json last."""
+        the rest; the root zarr.json last. final (the last pass of a writing run): first check that the
+        server holds every committed shard (_check_complete)."""
         if not (self.local / "zarr.json").exists():
             return  # not created yet (the first push of an extraction can come before create_store)
         if "zarr.json" not in self.sent:  # the root first, once: what a resume looks for to know a store is there
@@ -196,6 +231,8 @@ class Mirror:
         for key in files:
             if not _is_data(key) and key not in logs and not key.endswith("zarr.json"):
                 self._put(key)
+        if final:
+            self._check_complete(logs)
         self._put("zarr.json")
 
 
@@ -230,6 +267,9 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
             logs = {f"commits/{p.name}": p.read_bytes() for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
             m = read_manifest(Path(local))
             settled = set(_settled_shards(m, logs))
+            lost = sorted(settled - there)
+            if lost:  # its rows are committed, so no writer would write them again
+                raise _lost(url, lost[0], f" ({len(lost)} shard files in all)" if len(lost) > 1 else "")
             fetch(url, Path(local), sorted(k for k in there if _is_data(k) and k not in settled), lease.bucket)
     except BaseException:
         lease.release()
@@ -256,7 +296,7 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
         thread.join()
         try:
             if not errors:
-                mirror.push()
+                mirror.push(final=True)
         except CacheFormatError as e:
             errors.append(e)
         lease.release()

@@ -8,7 +8,10 @@ An object store has no rename, no append and no flock, so a store there is a mir
   object PUT is atomic (an object is absent or whole), so a reader never meets a commit whose shard
   is missing or torn. The other files follow; the root `zarr.json` goes up before anything else
   once, and again last (its state says "finalized"). Settled shards (every row committed) then
-  leave the stage.
+  leave the stage, each once a HEAD shows it on the server at its size (an upload acknowledged but
+  not there is sent again). The last push of a run lists the server first: every shard the
+  done-logs commit must be there (one still staged is sent again), else it fails in one line
+  naming the shard, and the root never says "finalized".
 - **One writer.** A lease object (`LEASE.json`: holder, expiry) is created with a conditional PUT
   (create only if absent) and renewed by every push (replace only if unchanged since our last
   write). A second writer is refused in one line naming the holder; a lease not renewed for its
@@ -16,6 +19,8 @@ An object store has no rename, no append and no flock, so a store there is a mir
 - **Resume.** A writer starting on a URL that already holds a store downloads its metadata,
   done-logs and every shard that is not settled (the shard each writer's committed rows end in,
   and any written past it), then resumes locally as on a filesystem (uncommitted rows are dropped).
+  A settled shard missing from the server is refused in one line: its rows are committed, so
+  nothing would write them again.
 - **Reading.** `local_copy` downloads everything but the shard data into a cache directory (one
   per URL); `fetch` brings shards on first use, and readers check each against its done-log
   checksum (cache_format.reader's shard checks are on for every remote store). Each node keeps its

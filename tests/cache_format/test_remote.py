@@ -225,3 +225,84 @@ def test_a_file_rewritten_within_one_mtime_tick_at_the_same_size_is_uploaded_aga
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
     mirror._put("w/shard")
     assert bytes(obstore.get(open_bucket(url), "w/shard").bytes()) == b"B" * 64
+
+
+class _DropsOnePut:
+    """obstore as the mirror sees it, but the first PUT of `key` is acknowledged and not stored."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.dropped = key, False
+
+    def put(self, bucket, key, data, **kw):
+        if key == self.key and not self.dropped:
+            self.dropped = True
+            return {"e_tag": "lost"}
+        return obstore.put(bucket, key, data, **kw)
+
+    def __getattr__(self, name):
+        return getattr(obstore, name)
+
+
+def _a_settled_shard(m, local) -> str:
+    from cache_format.mirror import _settled_shards
+
+    logs = {f"commits/{p.name}": p.read_bytes() for p in (local / "commits").glob("*.jsonl")}
+    return sorted(_settled_shards(m, logs))[0]
+
+
+def test_a_shard_the_server_does_not_show_stays_staged_and_is_sent_again(tmp_path, object_server, monkeypatch):
+    """Eviction deletes the one copy, so it first asks the server (HEAD): an upload acknowledged but
+    not stored keeps its file in the stage and goes up again at the next push."""
+    import cache_format.mirror as mirror_mod
+
+    m = make_manifest()
+    local = tmp_path / "s.zarr"
+    write_store(local, range(40), m, finalize=False)
+    key, url = _a_settled_shard(m, local), object_server()
+    monkeypatch.setattr(mirror_mod, "obstore", _DropsOnePut(key))
+    mirror = Mirror(local, url, evict=True)
+    mirror.push()
+    assert (local / key).exists() and key not in {o["path"] for b in obstore.list(open_bucket(url)) for o in b}
+    data = (local / key).read_bytes()
+    mirror.push()
+    assert not (local / key).exists() and bytes(obstore.get(open_bucket(url), key).bytes()) == data
+
+
+def test_a_run_whose_shard_the_server_lost_never_goes_up_as_finalized(tmp_path, object_server):
+    """The last push lists the server: a lost shard still staged is sent again; one gone from the stage
+    too is one line naming it, and the root on the server does not say finalized."""
+    from cache_format.index import finalize_store
+    from cache_format.layout import STATE_KEY
+
+    m = make_manifest()
+    for evict in (False, True):
+        local, url = tmp_path / f"s{evict}.zarr", object_server()
+        write_store(local, range(40), m, finalize=False)
+        key = _a_settled_shard(m, local)
+        mirror = Mirror(local, url, evict=evict)
+        mirror.push()
+        obstore.delete(open_bucket(url), key)  # lost on the server after it was there
+        finalize_store(local, m)
+        if not evict:
+            mirror.push(final=True)
+            assert StoreReader(url).finalized and obstore.head(open_bucket(url), key)["size"] > 0
+            continue
+        with pytest.raises(CacheFormatError, match=f"{url}/{key}: committed by commits/w00000.jsonl but missing"):
+            mirror.push(final=True)
+        root = json.loads(bytes(obstore.get(open_bucket(url), "zarr.json").bytes()))
+        assert not root["attributes"].get(STATE_KEY, {}).get("finalized")
+
+
+def test_a_resume_refuses_a_store_whose_committed_shard_is_lost(tmp_path, object_server):
+    from cache_format.mirror import writing_to
+
+    m = make_manifest()
+    local, url = tmp_path / "s.zarr", object_server()
+    write_store(local, range(40), m, finalize=False)
+    key = _a_settled_shard(m, local)
+    Mirror(local, url).push()
+    obstore.delete(open_bucket(url), key)
+    with pytest.raises(CacheFormatError, match=f"{url}/{key}: committed by .* missing from the object store"):
+        with writing_to(url, tmp_path / "elsewhere", ttl=2):
+            pass
+    Lease(url, ttl=2).acquire(wait=0).release()  # the refused resume gave its lease back
