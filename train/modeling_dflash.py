@@ -17,12 +17,26 @@ Shapes: B batch, T context tokens, Q block tokens, H hidden, K taps, nh/nkv head
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
-__all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "rope_cos_sin"]
+__all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "cache_of", "cache_kwarg", "rope_cos_sin"]
+
+
+def cache_kwarg(model) -> str:
+    """The name `model.forward` takes its KV cache by: transformers 5.25 renamed `past_key_values` to
+    `cache` (the old name is accepted with a warning until 5.40); earlier versions know only the old."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_of(out):
+    """The KV cache a forward returned, under either name (see cache_kwarg)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 class RMSNorm(nn.Module):
@@ -192,14 +206,14 @@ class DFlashDraftModel(PreTrainedModel):
             for i in self.target_layer_ids]
         tapped = lambda: torch.cat([taps[i] for i in self.target_layer_ids], dim=-1)  # noqa: E731  [1, S, K*H]
         try:
-            out = target(input_ids, use_cache=True)
-            cache, first = out.past_key_values, out.logits[0, -1].argmax()
+            out, kw = target(input_ids, use_cache=True), cache_kwarg(target)
+            cache, first = cache_of(out), out.logits[0, -1].argmax()
             dec.start(tapped(), first)  # context = states of positions 0..P-1, first block drafted
             tokens, accepted = [int(first)], [1]
             while tokens[-1] not in eos and len(tokens) < max_new_tokens:
                 n = prompt_len + len(tokens) - 1  # position of the last (not yet verified) token: block[0]
-                out = target(dec.block[None], past_key_values=cache, use_cache=True)
-                cache = out.past_key_values
+                out = target(dec.block[None], use_cache=True, **{kw: cache})
+                cache = cache_of(out)
                 dec.want.copy_(out.logits[0].argmax(-1))  # the target's choice after each block token
                 dec.taps.copy_(tapped())
                 dec.step()

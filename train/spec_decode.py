@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from train.modeling_dflash import cache_kwarg, cache_of
+
 __all__ = ["DecodeResult", "target_generate"]
 
 
@@ -30,14 +32,14 @@ def target_generate(model, prompt: list[int], *, max_new_tokens: int, eos: set[i
     """Plain greedy decoding with a KV cache: one target forward per token."""
     t0 = time.perf_counter()
     ids = torch.tensor([prompt], device=model.device)
-    out = model(ids, use_cache=True)
-    cache, forwards, tokens = out.past_key_values, 1, []
+    out, kw = model(ids, use_cache=True), cache_kwarg(model)
+    cache, forwards, tokens = cache_of(out), 1, []
     nxt = int(out.logits[0, -1].argmax())
     while True:
         tokens.append(nxt)
         if nxt in eos or len(tokens) >= max_new_tokens:
             break
-        out = model(torch.tensor([[nxt]], device=model.device), past_key_values=cache, use_cache=True)
-        cache, forwards = out.past_key_values, forwards + 1
+        out = model(torch.tensor([[nxt]], device=model.device), use_cache=True, **{kw: cache})
+        cache, forwards = cache_of(out), forwards + 1
         nxt = int(out.logits[0, -1].argmax())
     return DecodeResult(tokens, forwards, time.perf_counter() - t0)
