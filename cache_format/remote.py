@@ -19,8 +19,8 @@ An object store has no rename, no append and no flock, so a store there is a mir
 - **Resume.** A writer starting on a URL that already holds a store downloads its metadata,
   done-logs and every shard that is not settled (the shard each writer's committed rows end in,
   and any written past it), then resumes locally as on a filesystem (uncommitted rows are dropped).
-  A settled shard missing from the server is refused in one line: its rows are committed, so
-  nothing would write them again.
+  A settled shard missing from the server and from the stage is refused in one line: its rows are
+  committed, so nothing would write them again.
 - **Reading.** `local_copy` downloads everything but the shard data into a cache directory (one
   per URL); `fetch` brings shards on first use, and readers check each against its done-log
   checksum (cache_format.reader's shard checks are on for every remote store). Each node keeps its

@@ -306,3 +306,23 @@ def test_a_resume_refuses_a_store_whose_committed_shard_is_lost(tmp_path, object
         with writing_to(url, tmp_path / "elsewhere", ttl=2):
             pass
     Lease(url, ttl=2).acquire(wait=0).release()  # the refused resume gave its lease back
+
+
+def test_a_rerun_on_the_same_stage_resumes_a_writer_whose_commits_never_went_up(tmp_path, object_server):
+    """Killed before its first push, a writer's done-log and shards exist only in the stage: a rerun on
+    that stage resumes them (they go up with the next push), not a store that lost them."""
+    from cache_format import ShardWriter
+    from cache_format.mirror import writing_to
+
+    m = make_manifest()
+    local, url = tmp_path / "s.zarr", object_server()
+    write_store(local, range(20), m, finalize=False)
+    Mirror(local, url).push()
+    with ShardWriter(local, writer_id=1) as w:  # committed after the last push, never sent
+        for i in range(20, 60):
+            w.add(i, **make_sample(i, sample_length(i, m.max_len), m))
+    assert _a_settled_shard(m, local).startswith("w00000/")  # writer 1's shards are settled too
+    with writing_to(url, local, ttl=2):
+        pass
+    remote = {o["path"] for b in obstore.list(open_bucket(url)) for o in b}
+    assert "commits/w00001.jsonl" in remote and any(k.startswith("w00001/") for k in remote)
