@@ -97,14 +97,14 @@ class DraftLayer(nn.Module):
         v = self.v_proj(h).view(b, q_len, -1, hd).transpose(1, 2)
         if isinstance(mask, SplitMask):  # context and own block attended apart (train.attention)
             o = split_attention(q, k, v, ctx_k, ctx_v, mask, flex=_flex())
-        elif mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
-            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
-            o = _flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
         else:
-            rep = self.c.num_heads // self.c.num_kv_heads
-            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask is not None else None)
+            k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
+            if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
+                o = _flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
+            else:
+                rep = self.c.num_heads // self.c.num_kv_heads
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask is not None else None)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
