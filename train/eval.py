@@ -118,18 +118,24 @@ def _drafters(run: str, checkpoint: str, export: str, whole_head: bool = True) -
 def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: str = "default", limit: int = 0,
              max_new_tokens: int = 128, target: str = "", dtype: str = "float32",
              teacher_forced: bool = False, prompt_lookup: bool = True, cuda_graph: bool = True,
-             whole_head: bool = True) -> dict[str, Any]:
+             whole_head: bool = True, tree_budget: str = "0", tree_width: int = 0) -> dict[str, Any]:
     """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
     with both, the export's figures sit under "export" beside the checkpoint's. teacher_forced:
     also the acceptance at every anchor of the greedy output (see train.acceptance). prompt_lookup:
     also transformers' prompt-lookup decoding as a second baseline (a third of an evaluation's time).
     cuda_graph: False runs the drafter's side of each step eagerly on a GPU (to measure the graph).
     whole_head: a checkpoint trained on a draft vocabulary drafts from the target's whole lm_head, as
-    its default export serves it (False: from its draft vocabulary, as trained)."""
+    its default export serves it (False: from its draft vocabulary, as trained). tree_budget: the
+    draft tree's node budget (0: the chain), or several, comma-separated: each prompt is decoded at
+    every budget against one greedy baseline; the figures are the first budget's, and `tree_curve`
+    holds every budget's. tree_width: at most this many tree nodes a depth (0: no cap)."""
     from cache_format.target import chat_ids, eos_ids, load_target
 
     if not run and not export:
         raise ValueError("give --run (a training run), --export (an exported directory) or both")
+    budgets = tree_budgets(tree_budget)
+    if tree_width < 0:
+        raise ValueError(f"--tree-width {tree_width}: must be >= 0")
     drafters, state, ck = _drafters(run, checkpoint, export, whole_head)
     if not (target or state):
         target = _export_target(export)
@@ -143,21 +149,26 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     todo = _prompts(prompts, limit)
     if not todo:
         raise ValueError(f"--prompts {prompts}: no prompts to evaluate")
-    rows: dict[str, list] = {name: [] for name in drafters}
-    hist = {name: Counter() for name in drafters}
-    t = Tally(spec_s=dict.fromkeys(drafters, 0.0))
+    # one key per drafter and budget: the first budget's under the drafter's own name
+    keys = {_key(name, b, budgets): (name, b) for name in drafters for b in budgets}
+    rows: dict[str, list] = {k: [] for k in keys}
+    hist = {k: Counter() for k in keys}
+    t = Tally(spec_s=dict.fromkeys(keys, 0.0))
     # each drafter's vocabulary (None: the target's whole): a greedy token outside it is a certain miss
-    vocab = {k: None if getattr(d, "draft_ids", None) is None else set(d.draft_ids.tolist()) for k, d in drafters.items()}
+    vocab = {k: None if getattr(drafters[n], "draft_ids", None) is None else set(drafters[n].draft_ids.tolist())
+             for k, (n, _) in keys.items()}
     # prompts done, τ so far and the time left, on stderr (a CPU evaluation of 48 prompts takes an hour)
     bar = tqdm(todo, desc=f"eval on {device.type}", unit="prompt", file=sys.stderr, dynamic_ncols=True)
     for name, msgs in bar:
         ids = chat_ids(tok, _answer_earlier_turns(model, tok, msgs, max_new_tokens=max_new_tokens, eos=set(eos)))
         base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=set(eos))
         t.base_s, t.base_fw = t.base_s + base.seconds, t.base_fw + base.target_forwards
-        for which, drafter in drafters.items():
+        for which, (name, budget) in keys.items():
+            drafter = drafters[name]
             t0 = time.perf_counter()
             spec = drafter.spec_generate(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
-                                         eos_token_id=eos, **({} if cuda_graph else {"cuda_graph": False}))
+                                         eos_token_id=eos, tree_budget=budget, tree_width=tree_width,
+                                         **({} if cuda_graph else {"cuda_graph": False}))
             t.spec_s[which] += time.perf_counter() - t0
             new = spec["sequences"][0, len(ids):].tolist()
             hist[which].update(spec["accepted"])
@@ -168,7 +179,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
                                 else sum(x in vocab[which] for x in base.tokens)})
             rej = vocab_rejections(spec["accepted"], new, vocab[which], drafter.block_size)
             rows[which][-1].update(rejections=rej[0], rejections_outside_vocab=rej[1])
-            if teacher_forced:
+            if teacher_forced and budget == 0:
                 rows[which][-1].update(_teacher_forced_row(drafter, model, ids, base.tokens, spec["accepted"]))
         pl_new, pl_fw = _prompt_lookup(model, tok, ids, t, max_new_tokens=max_new_tokens, eos=eos) if prompt_lookup \
             else (0, 0)
@@ -176,15 +187,39 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
             r[-1].update(prompt_lookup_new_tokens=pl_new, prompt_lookup_target_forwards=pl_fw)
         bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{tau_so_far(r):.2f}" for k, r in rows.items()})
     bar.close()
-    res = {which: summary(rows[which], hist[which], t, which, drafters[which], model, device,
-                          prompt_lookup=prompt_lookup, teacher_forced=teacher_forced, cuda_graph=cuda_graph)
-           for which in drafters}
+    res = {which: summary(rows[which], hist[which], t, which, drafters[name], model, device, prompt_lookup=prompt_lookup,
+                          teacher_forced=teacher_forced and budget == 0, cuda_graph=cuda_graph)
+           for which, (name, budget) in keys.items()}
+    for name in drafters:
+        res[name].update(tree_budget=budgets[0], tree_width=tree_width)
+        if len(budgets) > 1:
+            res[name]["tree_curve"] = {str(b): _curve_point(res[_key(name, b, budgets)]) for b in budgets}
     if "checkpoint" in res:
         out = {**res["checkpoint"], "checkpoint": ck, "whole_head": whole_head}
         if "export" in res:
             out["export"] = {**{k: v for k, v in res["export"].items() if k != "prompts"}, "path": export}
         return out
     return {**res["export"], "export_path": export}
+
+
+def tree_budgets(spec: str) -> list[int]:
+    """--tree-budget "0" or "0,8,32" -> [0, 8, 32]: non-negative, distinct, at least one."""
+    try:
+        out = [int(x) for x in str(spec).split(",")]
+    except ValueError:
+        raise ValueError(f"--tree-budget {spec}: not an integer or comma-separated integers") from None
+    if not out or min(out) < 0 or len(set(out)) != len(out):
+        raise ValueError(f"--tree-budget {spec}: budgets must be distinct integers >= 0 (0: the chain)")
+    return out
+
+
+def _key(name: str, budget: int, budgets: list[int]) -> str:
+    return name if budget == budgets[0] else f"{name}@tree{budget}"
+
+
+def _curve_point(r: dict[str, Any]) -> dict[str, Any]:
+    """One budget's figures in tree_curve."""
+    return {k: r[k] for k in ("tau", "speedup", "tokens_per_s", "lossless", "tau_by_domain", "target_forwards")}
 
 
 def _prompt_lookup(model, tok, ids: list[int], t: Tally, *, max_new_tokens: int, eos: list[int]) -> tuple[int, int]:
@@ -261,6 +296,10 @@ def _teacher_forced_row(drafter, target, prompt: list[int], new: list[int], deco
 @click.option("--whole-head/--draft-head", default=True, show_default=True,
               help="A --run checkpoint trained on a draft vocabulary drafts from the target's whole lm_head (as "
               "train.export serves it) or from its draft vocabulary only.")
+@click.option("--tree-budget", default="0", show_default=True,
+              help="Draft-tree node budget (0: the chain), or several comma-separated (e.g. 0,8,32,64): each "
+              "prompt decoded at every budget against one greedy baseline; tree_curve holds each budget's figures.")
+@click.option("--tree-width", default=0, show_default=True, help="At most this many tree nodes a depth (0: no cap).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def main(as_json: bool, **kw) -> None:
     """Speculative decoding with the drafter against the real target: τ, speedup, lossless."""
@@ -292,6 +331,9 @@ def main(as_json: bool, **kw) -> None:
     by = ", ".join(f"{k} {v:.3f}" + (f" (prompt lookup {pl[k]:.3f})" if pl is not None else "")
                    for k, v in res["tau_by_domain"].items())
     click.echo(f"tau by domain: {by}")
+    for b, c in (res.get("tree_curve") or {}).items():
+        click.echo(f"tree budget {b}: tau {c['tau']:.3f}, speedup {c['speedup']:.2f}x, lossless {c['lossless']} ("
+                   + ", ".join(f"{k} {v:.3f}" for k, v in c["tau_by_domain"].items()) + ")")
     if "teacher_forced" in res:
         t = res["teacher_forced"]
         click.echo(f"teacher-forced: tau {t['tau_all_anchors']:.3f} at all {t['anchors']} anchors "

@@ -27,8 +27,11 @@ from safetensors.torch import load_file, save_file
 
 from train.model import DrafterConfig
 
-__all__ = ["export_config", "export_run", "from_export_names", "hf_drafter", "to_export_names", "write_export"]
+__all__ = ["SERVED_FILES", "export_config", "export_run", "from_export_names", "hf_drafter", "to_export_names", "write_export"]
 
+# the export's code: the modeling file AutoModel loads and the module it imports (relative import,
+# which transformers copies along with trust_remote_code)
+SERVED_FILES = ("modeling_dflash.py", "draft_tree.py")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -99,14 +102,15 @@ def as_whole_head(state: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, 
 
 
 def write_export(dst: Path, state: dict, weights: dict[str, torch.Tensor]) -> Path:
-    """config.json, bf16 model.safetensors and modeling_dflash.py of a drafter (a checkpoint's state.json
+    """config.json, bf16 model.safetensors and the served code (SERVED_FILES) of a drafter (a checkpoint's state.json
     and weights) into `dst`."""
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(export_config(state), indent=2))
     save_file({k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()  # draft_ids stay ids
                for k, v in to_export_names(weights).items()},
               str(dst / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copyfile(Path(__file__).with_name("modeling_dflash.py"), dst / "modeling_dflash.py")
+    for name in SERVED_FILES:  # the modeling file and the tree maths it imports
+        shutil.copyfile(Path(__file__).with_name(name), dst / name)
     return dst
 
 

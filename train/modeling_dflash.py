@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
-__all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "cache_of", "cache_kwarg", "rope_cos_sin"]
+from .draft_tree import DraftTree, ancestor_mask, build_tree, walk_tree
+
+__all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "cache_of", "cache_kwarg", "keep_cache_rows", "rope_cos_sin"]
 
 
 def cache_kwarg(model) -> str:
@@ -37,6 +39,22 @@ def cache_of(out):
     """The KV cache a forward returned, under either name (see cache_kwarg)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
+
+
+def keep_cache_rows(cache, start: int, rows: list[int]) -> None:
+    """Keep, of the cache's entries from position `start` on, those at start + rows (in that order)
+    as positions start, start + 1, ...; drop the rest. A tree verify appends every node's keys; the
+    committed path's become the cache."""
+    if any(r != i for i, r in enumerate(rows)):
+        layers = ([(x.keys, x.values) for x in cache.layers] if hasattr(cache, "layers")
+                  else list(zip(cache.key_cache, cache.value_cache)))  # transformers 4.x
+        src = torch.tensor(rows, device=layers[0][0].device) + start
+        for k, v in layers:  # [B, nkv, S, hd]
+            k[:, :, start: start + len(rows)] = k.index_select(2, src)
+            v[:, :, start: start + len(rows)] = v.index_select(2, src)
+    drop = cache.get_seq_length() - (start + len(rows))
+    if drop > 0:
+        cache.crop(-drop)  # "remove this many"
 
 
 class RMSNorm(nn.Module):
@@ -184,7 +202,8 @@ class DFlashDraftModel(PreTrainedModel):
 
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.Tensor, *, max_new_tokens: int = 256,
-                      eos_token_id: int | list[int] | None = None, cuda_graph: bool = True) -> dict:
+                      eos_token_id: int | list[int] | None = None, cuda_graph: bool = True,
+                      tree_budget: int | None = None, tree_width: int | None = None) -> dict:
         """Greedy speculative decoding of one prompt (input_ids [1, P]) with `target`, an HF causal LM.
 
         Returns {"sequences": [1, P + new] ids, "accepted": tokens emitted per target forward (the
@@ -192,13 +211,24 @@ class DFlashDraftModel(PreTrainedModel):
         target's own greedy decoding (up to float ties), whatever the drafter proposes. On CUDA the
         drafter's side of a step (acceptance, context update, next draft) replays as one CUDA graph
         unless `cuda_graph` is False; the target runs as it is.
+
+        tree_budget N > 0: each step drafts a tree of the block's N best prefixes (draft_tree.py;
+        tree_width caps the nodes at each depth) and the target verifies all of them in one forward
+        with an ancestor-only mask; its greedy token is walked down the tree and the matched path
+        is kept. 0: the chain of each slot's argmax. None: the export's default (config.json
+        dflash_config tree_budget and tree_width; the chain where it names none).
         """
+        d = self.config.dflash_config
+        tree_budget = int(d.get("tree_budget", 0)) if tree_budget is None else tree_budget
+        tree_width = int(d.get("tree_width", 0)) if tree_width is None else tree_width
         if input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate decodes one prompt at a time, got a batch of {input_ids.shape[0]}")
+        if tree_budget < 0 or tree_width < 0:
+            raise ValueError(f"tree_budget {tree_budget} and tree_width {tree_width}: must be >= 0")
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
         prompt_len = input_ids.shape[1]
         dec = self._decoding_for(target, prompt_len + max_new_tokens + 2 * self.block_size, input_ids.device,
-                                 cuda_graph and input_ids.is_cuda)
+                                 cuda_graph and input_ids.is_cuda, tree_budget, tree_width)
         taps: dict[int, torch.Tensor] = {}
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
         hooks = [decoder.layers[i].register_forward_hook(
@@ -212,39 +242,43 @@ class DFlashDraftModel(PreTrainedModel):
             tokens, accepted = [int(first)], [1]
             while tokens[-1] not in eos and len(tokens) < max_new_tokens:
                 n = prompt_len + len(tokens) - 1  # position of the last (not yet verified) token: block[0]
-                out = target(dec.block[None], use_cache=True, **{kw: cache})
+                out = target(**dec.verify_inputs(n), use_cache=True, **{kw: cache})
                 cache = cache_of(out)
-                dec.want.copy_(out.logits[0].argmax(-1))  # the target's choice after each block token
+                dec.want.copy_(out.logits[0].argmax(-1))  # the target's choice after each verified token
                 dec.taps.copy_(tapped())
                 dec.step()
-                got = torch.cat([dec.accepted[None], dec.want]).tolist()  # the step's one host sync
-                a = got[0]  # accepted drafts: they equal the target's choices want[:a], then want[a] is its own
-                new = got[1: a + 2][: max_new_tokens - len(tokens)]
+                a, path, emitted = dec.result()  # the step's one host sync
+                new = emitted[: max_new_tokens - len(tokens)]
                 for t in new:
                     tokens.append(t)
                     if t in eos:
                         break
                 accepted.append(len(new))
-                drop = cache.get_seq_length() - (n + a + 1)  # keep the target's cache for verified tokens only
-                if drop > 0:
-                    cache.crop(-drop)  # "remove this many"
+                keep_cache_rows(cache, n, [0, *path[:a]])  # the target's cache for verified tokens only
         finally:
             for h in hooks:
                 h.remove()
         seq = torch.cat([input_ids[0], torch.tensor(tokens, device=input_ids.device)])[None]
         return {"sequences": seq, "accepted": accepted, "target_forwards": len(accepted)}
 
-    def _decoding_for(self, target, rows: int, device: torch.device, graph: bool) -> _Decoding:
+    def _decoding_for(self, target, rows: int, device: torch.device, graph: bool, budget: int = 0,
+                      width: int = 0) -> _Decoding:
         """A decoding state with at least `rows` context rows for this target, kept for the next prompt
         (a CUDA graph is captured once per state, not per prompt)."""
         head, embed = target.get_output_embeddings().weight, target.get_input_embeddings().weight
         # a drafter or target moved or cast since (new tensors) gets a new state: the graph reads these addresses
-        key = (head.data_ptr(), embed.data_ptr(), self.fc.weight.data_ptr(), self.fc.weight.dtype, str(device), graph)
-        old = getattr(self, "_decoding", None)
-        if old is None or old.key != key or old.rows < rows:
-            self._decoding = _Decoding(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key)
+        key = (head.data_ptr(), embed.data_ptr(), self.fc.weight.data_ptr(), self.fc.weight.dtype, str(device), graph,
+               budget, width, target.dtype)
+        # one state per tree budget and width, so that decoding alternately with several captures each once;
+        # states for other tensors (a drafter or target moved or cast since) are dropped
+        states = {k: v for k, v in getattr(self, "_decodings", {}).items() if k[:6] == key[:6]}
+        old = states.get(key)
+        if old is None or old.rows < rows:
+            states[key] = _Decoding(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key,
+                                    budget, width, target.dtype)
         else:  # weights loaded in place since (a draft vocabulary, the target's head): the graph reads this copy
-            self._decoding.head.copy_(self.draft_head(head))
+            old.head.copy_(self.draft_head(head))
+        self._decodings, self._decoding = states, states[key]
         return self._decoding
 
 
@@ -256,13 +290,16 @@ class _Decoding:
     hold stale or unverified states and are masked out. With every shape fixed, a step (accept the
     verified block, append its states to the context, draft the next block) is one function of
     these tensors; on CUDA it is captured once as a graph and replayed, one launch instead of ~200:
-    at batch 1 a few-layer drafter is bound by launches, not arithmetic.
+    at batch 1 a few-layer drafter is bound by launches, not arithmetic. With a tree budget N the
+    target verifies the N + 1 nodes of `tree` (the root is block[0]) instead of the block.
     """
 
     def __init__(self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor, rows: int,
-                 graph: bool, key: tuple) -> None:
+                 graph: bool, key: tuple, budget: int = 0, width: int = 0,
+                 target_dtype: torch.dtype = torch.float32) -> None:
         c, dev, dt = drafter.config, embed.device, drafter.fc.weight.dtype
         bs, self.d, self.embed, self.rows, self.key = drafter.block_size, drafter, embed, rows, key
+        self.budget, self.width, self.target_dtype = budget, width, target_dtype
         # [V or N, H], a copy of its own (a later copy_ must not write into the target's weights), kept
         # in the weight's own layout: a bf16 matmul against the transposed copy ran ~50x slower on a CPU
         self.head = head.to(dt, copy=True).contiguous()
@@ -271,10 +308,16 @@ class _Decoding:
         self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
         self.n = torch.zeros((), dtype=torch.long, device=dev)
         self.block = torch.full((bs,), drafter.mask_token_id, dtype=torch.long, device=dev)  # [Q] ids
-        self.want = torch.zeros(bs, dtype=torch.long, device=dev)  # the target's argmax after each block token
-        self.taps = torch.zeros(1, bs, drafter.fc.in_features, dtype=embed.dtype, device=dev)  # the verify's taps
-        self.accepted = torch.zeros((), dtype=torch.long, device=dev)
+        m = budget + 1 if budget else bs  # tokens one verify sees
+        self.want = torch.zeros(m, dtype=torch.long, device=dev)  # the target's argmax after each verified token
+        self.taps = torch.zeros(1, m, drafter.fc.in_features, dtype=embed.dtype, device=dev)  # the verify's taps
         self.row_ids, self.offsets = torch.arange(rows, device=dev), torch.arange(bs, device=dev)
+        # accepted drafts, then the path's node indices [Q-1], then the tokens emitted [Q] (-1 past them)
+        self.out = torch.zeros(2 * bs, dtype=torch.long, device=dev)
+        z = torch.zeros(m, dtype=torch.long, device=dev)
+        self.tree = DraftTree(z.clone(), z.clone(), z.clone(), torch.ones(m, dtype=torch.bool, device=dev),
+                              torch.zeros(m, device=dev))
+        self.anc = torch.ones(m, m, dtype=torch.bool, device=dev)  # [N+1, N+1] ancestor-or-self
         self.use_graph, self.graph = graph, None
 
     def _write(self, taps: torch.Tensor, pos: torch.Tensor) -> None:
@@ -284,19 +327,67 @@ class _Decoding:
             v.index_copy_(2, pos, v2)
 
     def _draft(self) -> None:
-        """block[1:] <- the drafter's argmax at the masked slots, from block[0] and context rows < n."""
+        """From block[0] and context rows < n: block[1:] <- the drafter's argmax at the masked slots
+        (chain), or the tree of the slots' N best prefixes (tree budget N)."""
+        if self.budget:
+            self.block[1:].fill_(self.d.mask_token_id)
         hid = self.d(F.embedding(self.block[None], self.embed), (self.n + self.offsets)[None],
                      list(zip(self.k, self.v)), self.row_ids < self.n)  # [1, Q, H]
-        self.block[1:].copy_(self.d.draft_tokens(F.linear(hid[0, 1:], self.head)))
+        logits = F.linear(hid[0, 1:], self.head)  # [Q-1, V or N]
+        if not self.budget:
+            self.block[1:].copy_(self.d.draft_tokens(logits))
+            return
+        tree = build_tree(torch.log_softmax(logits.float(), -1), self.budget, self.block[0], self.width)
+        ids = tree.tokens if self.d.draft_ids is None else torch.cat([tree.tokens[:1], self.d.draft_ids[tree.tokens[1:]]])
+        for mine, new in zip(self.tree, (ids, *tree[1:])):
+            mine.copy_(new)
+        self.anc.copy_(ancestor_mask(tree.parents, self.block.shape[0] - 1))
+
+    def _accept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(accepted drafts, verified rows to keep [Q]: the root's and the path's, the target's next
+        token) from want; fills `out`."""
+        q = self.block.shape[0]
+        if self.budget:
+            a, path, last = walk_tree(self.tree, self.want, q - 1)
+            keep = torch.cat([path.new_zeros(1), path])  # [Q] node indices
+            bonus = self.want.index_select(0, last[None])
+            drafted = self.tree.tokens.index_select(0, path)  # [Q-1]
+        else:
+            a = (self.block[1:] == self.want[:-1]).long().cumprod(0).sum()
+            keep, bonus, path = self.offsets, self.want.index_select(0, a[None]), self.offsets[1:]
+            drafted = self.block[1:]
+        emitted = torch.where(self.offsets < a, torch.cat([drafted, bonus]), -1)  # [Q]
+        emitted = torch.where(self.offsets == a, bonus, emitted)
+        self.out.copy_(torch.cat([a[None], path, emitted]))
+        return a, keep, bonus
 
     def _step(self) -> None:
-        a = (self.block[1:] == self.want[:-1]).long().cumprod(0).sum()  # accepted drafts
-        self._write(self.taps, self.n + self.offsets)  # rows n.. of the block; those past n + a stay masked
+        a, keep, bonus = self._accept()
+        # rows n.. of the root and the accepted path; those past n + a stay masked
+        self._write(self.taps.index_select(1, keep), self.n + self.offsets)
         self.n.add_(a + 1)
-        self.block[:1].copy_(self.want.index_select(0, a[None]))  # the target's own token after the accepted ones
+        self.block[:1].copy_(bonus)  # the target's own token after the accepted ones
         self.block[1:].fill_(self.d.mask_token_id)
-        self.accepted.copy_(a)
         self._draft()
+
+    def verify_inputs(self, n: int) -> dict:
+        """The target's inputs for verifying the drafted block or tree whose root is at position n."""
+        if not self.budget:
+            return {"input_ids": self.block[None]}
+        m = self.budget + 1
+        # the cache holds positions < n, all visible; the tree's nodes see their ancestors and themselves
+        see = torch.cat([self.anc.new_ones(m, n), self.anc], 1)  # [N+1, n+N+1]
+        mask = torch.zeros(see.shape, dtype=self.target_dtype, device=see.device)
+        mask.masked_fill_(~see, torch.finfo(self.target_dtype).min)
+        return {"input_ids": self.tree.tokens[None], "position_ids": (n + self.tree.depths)[None],
+                "attention_mask": mask[None, None]}
+
+    def result(self) -> tuple[int, list[int], list[int]]:
+        """(accepted drafts, the path's node indices, the tokens the step emits) on the host."""
+        got = self.out.tolist()
+        q = self.block.shape[0]
+        a = got[0]
+        return a, got[1: q], got[q: q + a + 1]
 
     def start(self, taps: torch.Tensor, first: torch.Tensor) -> None:
         """taps [1, P, K*H] of the prompt, first (0-d) the target's first token: context and first draft."""
@@ -312,16 +403,21 @@ class _Decoding:
         if not self.use_graph:
             return self._step()
         if self.graph is None:  # warm up on a side stream, capture, and undo what the warm-up changed
-            saved = (self.n.clone(), self.block.clone())
+            saved = (self.n.clone(), self.block.clone(), [x.clone() for x in self.tree], self.anc.clone())
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._step()
-                    self.n.copy_(saved[0]), self.block.copy_(saved[1])
+                    self._restore(saved)
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
                 self._step()
-            self.n.copy_(saved[0]), self.block.copy_(saved[1])
+            self._restore(saved)
         self.graph.replay()
+
+    def _restore(self, saved: tuple) -> None:
+        self.n.copy_(saved[0]), self.block.copy_(saved[1]), self.anc.copy_(saved[3])
+        for mine, old in zip(self.tree, saved[2]):
+            mine.copy_(old)

@@ -99,6 +99,24 @@ def _assert_replay_equals_decoding(target: str, run: str) -> None:
     assert got["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6) and got["samples"] == len(ids)
 
 
+def test_a_budget_curve_decodes_every_budget_losslessly_against_one_baseline(trained):
+    target, prompts, run = trained
+    res = _eval(run, prompts, "--tree-budget", "0,4,16", "--no-prompt-lookup", "--limit", "3")
+    curve = res["tree_curve"]
+    assert list(curve) == ["0", "4", "16"] and all(c["lossless"] for c in curve.values()) and res["lossless"]
+    assert curve["0"]["tau"] == res["tau"] and res["tree_budget"] == 0
+    assert curve["16"]["target_forwards"] <= curve["0"]["target_forwards"] + 2  # more nodes, not fewer accepted
+    single = _eval(run, prompts, "--tree-budget", "16", "--no-prompt-lookup", "--limit", "3")
+    assert single["tau"] == curve["16"]["tau"] and "tree_curve" not in single
+
+
+@pytest.mark.parametrize("bad", ["-1", "4,4", "x", ""])
+def test_a_bad_tree_budget_is_refused_in_one_line(trained, bad):
+    _, prompts, run = trained
+    out = CliRunner().invoke(eval_main, ["--run", run, "--prompts", prompts, "--tree-budget", bad])
+    assert out.exit_code == 2 and "--tree-budget" in out.output and "Traceback" not in out.output
+
+
 def test_replayed_decoding_tau_equals_real_decoding(trained):
     target, _, run = trained
     _assert_replay_equals_decoding(target, run)

@@ -90,7 +90,8 @@ def test_fp8_taps_dequantized_on_the_side_stream_equal_the_host_decode(tmp_path)
         assert got["hidden"].dtype == torch.bfloat16 and torch.equal(got["hidden"].cpu(), want["hidden"])
 
 
-def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_result():
+@pytest.mark.parametrize("budget", [0, 8, 32])
+def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_result(budget):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
     from train.modeling_dflash import DFlashDraftModel
@@ -108,7 +109,8 @@ def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_re
     for p in ([1, 2, 3, 4, 0, 1], [2] * 40, [0, 3]):
         ids = torch.tensor([p], device="cuda")
         want = target_generate(tgt, p, max_new_tokens=64, eos=set()).tokens
-        runs = [drafter.spec_generate(tgt, ids, max_new_tokens=64, cuda_graph=g) for g in (False, True, True)]
+        runs = [drafter.spec_generate(tgt, ids, max_new_tokens=64, cuda_graph=g, tree_budget=budget)
+                for g in (False, True, True)]
         for r in runs:
             assert r["sequences"][0, len(p):].tolist() == want
         assert runs[0]["accepted"] == runs[1]["accepted"] == runs[2]["accepted"]

@@ -1,0 +1,129 @@
+"""Draft trees: the best prefixes of one drafted block, and the walk that verifies them.
+
+Shipped beside modeling_dflash.py in every export (torch only), so a served drafter builds the
+same trees as training and evaluation measure.
+
+A DFlash drafter gives, in one forward, a distribution for each of the block's D = block_size - 1
+drafted slots. A chain keeps each slot's argmax. A tree keeps the N prefixes (c1, ..., cd), d <= D,
+with the highest score log p1(c1) + ... + log pd(cd) (DDTree, Ringel & Romano, arXiv 2604.12989):
+the target verifies them all in one forward with an ancestor-only mask, and its own greedy token is
+walked down the tree. Every extension lowers the score (log-probabilities are <= 0), so the N best
+prefixes hold their ancestors: the set is a tree.
+
+The order is total, so trees are reproducible and testable. Within a depth, prefixes rank by score,
+ties by their parent's rank, then by the token's rank in its slot (log-probability, then id). Across
+depths, by score, ties to the shallower, then by rank within the depth. A parent then always ranks
+before its children. `build_tree` finds the N best without enumerating: depth d's N best extend
+depth d-1's N best by each slot's N best tokens (a prefix outranked by N others at its depth has N
+outranking extensions too), so each depth is one sort of N x N candidates, with fixed shapes and no
+host sync (a CUDA graph can hold it).
+
+Nodes come in rank order after the root (index 0, the block's first token, already verified):
+parents precede children. Shapes: `...` any batch dims, D drafted slots, V vocabulary, N budget.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["DraftTree", "ancestor_mask", "build_tree", "walk_tree"]
+
+
+class DraftTree(NamedTuple):
+    """N + 1 nodes, the root first, then the drafted prefixes in rank order."""
+
+    tokens: torch.Tensor  # [..., N+1] long: each node's last token (vocabulary index); the root's is `root`
+    parents: torch.Tensor  # [..., N+1] long: the parent's node index (the root is its own)
+    depths: torch.Tensor  # [..., N+1] long: 0 for the root, d for a prefix of d drafted tokens
+    valid: torch.Tensor  # [..., N+1] bool: False where fewer than N prefixes exist (or have p > 0)
+    scores: torch.Tensor  # [..., N+1] float: summed log-probabilities (0 at the root, -inf where invalid)
+
+
+def _ranked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., M] -> (values, indices) sorted descending, ties kept in index order."""
+    return torch.sort(x, dim=-1, descending=True, stable=True)
+
+
+def _pad(x: torch.Tensor, size: int, value: float) -> torch.Tensor:
+    """x [..., M] -> [..., max(M, size)], padded with `value`."""
+    if x.shape[-1] >= size:
+        return x
+    return torch.cat([x, x.new_full((*x.shape[:-1], size - x.shape[-1]), value)], dim=-1)
+
+
+def build_tree(logp: torch.Tensor, budget: int, root: torch.Tensor | int = 0, width: int = 0) -> DraftTree:
+    """logp [..., D, V] (each drafted slot's log-probabilities), budget N >= 1 -> the DraftTree of the
+    N best prefixes (module docstring). width > 0: at most `width` nodes at each depth (the N best
+    among each depth's `width` best). root: the root's token, a tensor [...] or an int."""
+    if budget < 1:
+        raise ValueError(f"tree budget {budget}: must be at least 1")
+    *batch, d_slots, _ = logp.shape
+    f = min(budget, width) if width > 0 else budget  # prefixes kept per depth
+    tv, ti = _ranked(logp.float())  # [..., D, V]: each slot's tokens, best first
+    tv, ti = _pad(tv, f, float("-inf"))[..., :f], _pad(ti, f, 0)[..., :f].long()  # [..., D, F]
+    scores, parent_slot, tokens = [tv[..., 0, :]], [torch.zeros_like(ti[..., 0, :])], [ti[..., 0, :]]
+    for d in range(1, d_slots):  # depth d+1: the F best of F parents x F tokens, parents' order first
+        cand = (scores[-1][..., :, None] + tv[..., d, None, :]).flatten(-2)  # [..., F*F]
+        s, idx = _ranked(cand)
+        s, idx = s[..., :f], idx[..., :f]  # [..., F]
+        scores.append(s)
+        parent_slot.append(idx // f)
+        tokens.append(ti[..., d, :].gather(-1, idx % f))
+    flat_s = torch.cat(scores, -1)  # [..., D*F], depth-major: ties go to the shallower
+    s, order = _ranked(_pad(flat_s, budget, float("-inf")))
+    s, order = s[..., :budget], order[..., :budget]  # [..., N] flat indices of the nodes, best first
+    valid = s > float("-inf")
+    order = torch.where(valid, order, 0)
+    # flat index -> node index (1..N), 0 if not chosen; the invalid nodes write to a spare last column
+    node_of = torch.zeros((*batch, flat_s.shape[-1] + 1), dtype=torch.long, device=logp.device)
+    node_of.scatter_(-1, torch.where(valid, order, flat_s.shape[-1]),
+                     torch.arange(1, budget + 1, device=logp.device).expand(order.shape))
+    depth0 = order // f  # [..., N]: depth - 1 of each node
+    slot = order % f
+    par_slot = torch.cat(parent_slot, -1).gather(-1, order)  # the parent's rank within its depth
+    par_flat = ((depth0 - 1).clamp(min=0) * f + par_slot)
+    parents = torch.where((depth0 > 0) & valid, node_of.gather(-1, par_flat), 0)
+    toks = torch.cat(tokens, -1).gather(-1, depth0 * f + slot)
+    root_t = torch.as_tensor(root, device=logp.device).long().expand(tuple(batch))[..., None]
+    zero = torch.zeros((*batch, 1), dtype=torch.long, device=logp.device)
+    return DraftTree(tokens=torch.cat([root_t, torch.where(valid, toks, 0)], -1),
+                     parents=torch.cat([zero, parents], -1),
+                     depths=torch.cat([zero, torch.where(valid, depth0 + 1, 0)], -1),
+                     valid=torch.cat([torch.ones_like(zero, dtype=torch.bool), valid], -1),
+                     scores=torch.cat([zero.float(), s], -1))
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents [..., M] (the root its own parent, every node within max_depth of it) -> bool [..., M, M]:
+    [i, j] True where node j is node i or one of its ancestors (what node i attends to in the tree)."""
+    m = parents.shape[-1]
+    cur = torch.arange(m, device=parents.device).expand(parents.shape).clone()  # [..., M]
+    out = torch.zeros((*parents.shape, m), dtype=torch.bool, device=parents.device)
+    for _ in range(max_depth + 1):
+        out.scatter_(-1, cur[..., None], True)
+        cur = parents.gather(-1, cur)
+    return out
+
+
+def walk_tree(tree: DraftTree, want: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Follow `want` down the tree from the root: at node i, go to i's child whose token is want[i].
+
+    want [..., N+1]: the token the walk asks for after each node (in verification the target's
+    greedy choice after it; replayed along a known answer, the answer's token at the node's depth).
+    Returns (accepted [...] long: nodes matched below the root; path [..., max_depth] long: their node
+    indices in depth order, 0 past the accepted ones; last [...] long: the node the walk ends on)."""
+    n1 = tree.tokens.shape[-1]
+    is_node = tree.valid & (torch.arange(n1, device=want.device) > 0)  # [..., N+1]
+    cur = torch.zeros(want.shape[:-1], dtype=torch.long, device=want.device)
+    path, accepted = [], torch.zeros_like(cur)
+    for _ in range(max_depth):
+        asked = want.gather(-1, cur[..., None])  # [..., 1]
+        match = is_node & (tree.parents == cur[..., None]) & (tree.tokens == asked)  # siblings differ: one at most
+        has = match.any(-1)
+        nxt = match.long().argmax(-1)
+        cur = torch.where(has, nxt, cur)  # a miss stays a miss: the next depth asks the same node again
+        path.append(torch.where(has, nxt, 0))
+        accepted = accepted + has.long()
+    return accepted, torch.stack(path, -1), cur
