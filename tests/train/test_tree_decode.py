@@ -32,7 +32,7 @@ def unsure(pair):
     other = type(drafter)(drafter.config).eval()
     other.load_state_dict(drafter.state_dict())
     with torch.no_grad():
-        for name, p in other.named_parameters():
+        for p in other.parameters():
             if p.dim() > 1:
                 p.add_(torch.randn(p.shape, generator=g) * p.std() * NOISE)
     return other, tgt, ids
