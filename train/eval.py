@@ -163,8 +163,8 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
         ids = chat_ids(tok, _answer_earlier_turns(model, tok, msgs, max_new_tokens=max_new_tokens, eos=set(eos)))
         base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=set(eos))
         t.base_s, t.base_fw = t.base_s + base.seconds, t.base_fw + base.target_forwards
-        for which, (name, budget) in keys.items():
-            drafter = drafters[name]
+        for which, (dname, budget) in keys.items():
+            drafter = drafters[dname]
             t0 = time.perf_counter()
             spec = drafter.spec_generate(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
                                          eos_token_id=eos, tree_budget=budget, tree_width=tree_width,

@@ -105,6 +105,8 @@ def test_a_budget_curve_decodes_every_budget_losslessly_against_one_baseline(tra
     curve = res["tree_curve"]
     assert list(curve) == ["0", "4", "16"] and all(c["lossless"] for c in curve.values()) and res["lossless"]
     assert curve["0"]["tau"] == res["tau"] and res["tree_budget"] == 0
+    assert "checkpoint" not in res["tau_by_domain"]  # each row named for its prompt, not its drafter
+    assert all(set(c["tau_by_domain"]) == set(res["tau_by_domain"]) for c in curve.values())
     assert curve["16"]["target_forwards"] <= curve["0"]["target_forwards"] + 2  # more nodes, not fewer accepted
     single = _eval(run, prompts, "--tree-budget", "16", "--no-prompt-lookup", "--limit", "3")
     assert single["tau"] == curve["16"]["tau"] and "tree_curve" not in single
