@@ -156,6 +156,10 @@ class TrainConfig:
     patience: int = 0
     """Stop once this many held-out evaluations in a row bring no new best val_decode_tau (0 = never);
     needs val_samples or val_store. The best weights are kept either way (checkpoints/best-STEP)."""
+    val_tree_budget: int = 0
+    """Also replay tree decoding at each held-out evaluation: a draft tree of this many nodes per
+    step (train.draft_tree, as `train.eval --tree-budget` decodes), logged as val_tree_tau and
+    val_tree_tau_96. The best checkpoint (and patience) then go by val_tree_tau_96. 0 = the chain only."""
     grad_reduce: str = "fp32"
     """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
     rounded to bf16 and summed in bf16). One rank: no effect."""
@@ -202,6 +206,9 @@ class TrainConfig:
         if self.val_samples and self.val_store:
             raise ValueError("give val_samples (held out of the training store) or val_store, not both (--val-samples 0 "
                              "beside --val-store where a config file sets val_samples)")
+        if self.val_tree_budget < 0 or (self.val_tree_budget and not (self.val_samples or self.val_store)):
+            raise ValueError(f"val_tree_budget must be >= 0 and needs val_samples > 0 or a val_store, "
+                             f"got {self.val_tree_budget}")
         if self.patience < 0 or (self.patience and not (self.val_samples or self.val_store)):
             raise ValueError(f"patience must be >= 0 and needs val_samples > 0 or a val_store, got {self.patience}")
         if self.node_affine and self.follow:

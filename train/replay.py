@@ -10,6 +10,8 @@ from those lengths alone (train.acceptance.decode_chain walks the same path in a
 Everything here is batched tensor code on the training device, with no host sync:
 
 - `block_accepts`: accepted drafts per block (the leading run of correct slots);
+- `tree_accepts`: accepted drafts per block when decoding verifies a draft tree (train.draft_tree)
+  instead of the chain: the deepest prefix of the known continuation the block's tree holds;
 - `anchor_spans`: which response span (assistant turn) each anchor lies in;
 - `decode_visits`: the anchors decoding visits, by pointer doubling over "next anchor" links;
 - `replay_counts`: tokens and target forwards of that decode (val_decode_tau = tokens / forwards);
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["anchor_spans", "block_accepts", "decode_visits", "reach_weights", "replay_counts", "visit_weights"]
+from train.draft_tree import build_tree, walk_tree
+
+__all__ = ["anchor_spans", "block_accepts", "decode_visits", "reach_weights", "replay_counts", "tree_accepts",
+           "visit_weights"]
 
 
 def block_accepts(hit: torch.Tensor) -> torch.Tensor:
@@ -28,6 +33,30 @@ def block_accepts(hit: torch.Tensor) -> torch.Tensor:
     the leading run of hits over slots 1..B-1. A slot without a label counts as a miss, which caps
     the run where the known continuation ends."""
     return hit[..., 1:].long().cumprod(-1).sum(-1)
+
+
+@torch.no_grad()
+def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
+                 budget: int, width: int = 0, chunk: int = 512) -> torch.Tensor:
+    """hidden [b, Q, H] (drafter output, Q = N blocks x block_size), labels [b, Q] (lm_head row of the
+    token at each slot; < 0: none, a miss), lm_head [V, H] -> int64 [b, N]: the drafted tokens each
+    block's draft tree of `budget` nodes (build_tree, `width` per depth) accepts when the walk asks
+    for the known continuation. A tree holds its prefixes' ancestors, so that is the longest prefix
+    of the continuation among the tree's nodes; where the tree holds the argmax chain it is at least
+    block_accepts. `chunk` blocks at a time: each holds [chunk, block_size - 1, V] log-probabilities."""
+    b, q, h = hidden.shape
+    d = block_size - 1
+    rows = hidden.reshape(-1, block_size, h)[:, 1:]  # [M, D, H]: slots 1..D of every block
+    truth = labels.reshape(-1, block_size)[:, 1:].long()  # [M, D]: slot k+1's token at column k
+    # depth j of a tree asks for slot j+1's token (the root asks for slot 1); depth D asks for nothing
+    asked = torch.cat([truth, truth.new_full((truth.shape[0], 1), -1)], 1)  # [M, D+1]
+    out = []
+    for i in range(0, rows.shape[0], chunk):
+        logp = torch.log_softmax((rows[i:i + chunk] @ lm_head.to(rows.dtype).T).float(), -1)  # [c, D, V]
+        tree = build_tree(logp, budget, width=width)
+        want = asked[i:i + chunk].gather(1, tree.depths)  # [c, N+1]
+        out.append(walk_tree(tree, want, d)[0])
+    return torch.cat(out).view(b, q // block_size) if out else labels.new_zeros(b, 0)
 
 
 def anchor_spans(loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ first 96 answer tokens val_decode_tau_96, and the teacher-forced val_loss and va
 every sample of the store: a checkpoint or export scored in seconds on the prompts its store holds
 (e.g. `scripts/scale_run.sh valstore`'s), where `train.eval` decodes with the target for minutes.
 Answers to the evaluation's held-out prompts are also scored per domain (val_decode_tau_96_by_domain).
+`--tree-budget 32,128` replays draft-tree decoding the same way (train.replay.tree_accepts).
 A checkpoint drafts from the target's whole lm_head, as its default export serves it (--draft-head:
 from its draft vocabulary); an export drafts as it is exported.
 """
@@ -52,11 +53,15 @@ def _drafter_of(run: str, checkpoint: str, export: str, whole_head: bool) -> tup
 
 
 def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str = "", whole_head: bool = True,
-                 token_budget: int = 8192, cache: str = "", samples: tuple[int, ...] = ()) -> dict[str, Any]:
+                 token_budget: int = 8192, cache: str = "", samples: tuple[int, ...] = (),
+                 tree_budgets: tuple[int, ...] = ()) -> dict[str, Any]:
     """The held-out row of `train --val-store` for one drafter over every sample of `store` (or the
-    sample ids `samples`)."""
+    sample ids `samples`); with `tree_budgets`, also tree decoding replayed at each node budget
+    ("tree_curve": budget -> val_tree_tau, val_tree_tau_96 and its domains)."""
     if bool(run) == bool(export):
         raise ValueError("give --run (a training run) or --export (an exported directory)")
+    if any(n < 1 for n in tree_budgets):
+        raise ValueError(f"tree budgets must be >= 1 (the chain is always scored), got {list(tree_budgets)}")
     dc, weights, layer_ids, sha = _drafter_of(run, checkpoint, export, whole_head)
     reader = StoreReader(store, cache=cache)
     m, what = reader.manifest, export or run
@@ -83,8 +88,14 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
     ds = replay_dataset(reader, keep, settings, token_budget=max(token_budget, longest), ranks=1, rank=0, seed=0)
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), weighting=Weighting(),
                         use_flex=use_flex_attention("auto", device.type, dc.head_dim))
+    groups = domain_groups(reader, keep)
     with torch.no_grad():
-        row = evaluate_holdout(model, ds, device, world=1, loss=loss, groups=domain_groups(reader, keep))
+        rows = [evaluate_holdout(model, ds, device, world=1, loss=loss, groups=groups, tree_budget=n)
+                for n in tree_budgets or (0,)]
+    row = {k: v for k, v in rows[0].items() if not k.startswith("val_tree_")}
+    if tree_budgets:
+        row["tree_curve"] = {str(n): {k: v for k, v in r.items() if k.startswith("val_tree_tau")}
+                             for n, r in zip(tree_budgets, rows)}
     return {**row, "samples": int(keep.sum()), "store": store, "drafter": what}
 
 
@@ -99,9 +110,11 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
               "export serves it, or from its draft vocabulary.")
 @click.option("--samples", default="", help="Score only these sample ids (comma-separated), e.g. one source's.")
 @click.option("--token-budget", default=8192, show_default=True, help="Tokens per forward.")
+@click.option("--tree-budget", default="", help="Also replay tree decoding at these node budgets (comma-separated, "
+              "each >= 1; train.eval --tree-budget decodes the same trees with the target).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, samples: str, token_budget: int,
-         as_json: bool) -> None:
+         tree_budget: str, as_json: bool) -> None:
     """A drafter's decoding τ replayed along a store's answers (no target needed)."""
     from cache_format import CacheFormatError
 
@@ -110,8 +123,13 @@ def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, s
     except ValueError:
         raise click.BadParameter(f"not a comma-separated list of sample ids: {samples!r}", param_hint="--samples") from None
     try:
+        budgets = tuple(int(x) for x in tree_budget.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"not a comma-separated list of node budgets: {tree_budget!r}",
+                                 param_hint="--tree-budget") from None
+    try:
         res = replay_score(store, run=run, checkpoint=checkpoint, export=export, whole_head=whole_head,
-                           token_budget=token_budget, samples=ids)
+                           token_budget=token_budget, samples=ids, tree_budgets=budgets)
     except (CacheFormatError, ValueError, OSError) as e:
         click.echo(f"error: {str(e).splitlines()[0]}", err=True)
         sys.exit(2)
@@ -123,6 +141,10 @@ def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, s
                f"val_loss {res['val_loss']:.3f}")
     for domain, tau in res.get("val_decode_tau_96_by_domain", {}).items():
         click.echo(f"  {domain}: first 96 tokens {tau:.3f}")
+    for n, t in res.get("tree_curve", {}).items():
+        by = ", ".join(f"{d} {v:.3f}" for d, v in t.get("val_tree_tau_96_by_domain", {}).items())
+        click.echo(f"tree of {n} nodes: val_tree_tau {t['val_tree_tau']:.3f}, first 96 tokens "
+                   f"{t['val_tree_tau_96']:.3f}" + (f" ({by})" if by else ""))
 
 
 if __name__ == "__main__":

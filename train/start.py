@@ -26,7 +26,7 @@ from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
-__all__ = ["BEST_BY", "best_state", "build_drafter", "check_resume", "domain_groups", "draft_vocab_of", "drafter_config",
+__all__ = ["BEST_BY", "best_by", "best_state", "build_drafter", "check_resume", "domain_groups", "draft_vocab_of", "drafter_config",
            "initial_weights", "loss_settings", "open_store", "open_val_store", "run_record", "target_layer_weights"]
 
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
@@ -119,11 +119,17 @@ def check_resume(cfg: TrainConfig, saved: dict[str, Any], store_identity: str) -
         raise ValueError(f"cannot resume {cfg.out}: config differs ({'; '.join(diffs)})")
 
 
-def best_state(ck: Path) -> dict[str, Any]:
-    """The best checkpoint's step and score, checked like any checkpoint (a damaged one: one line naming it)."""
+def best_by(cfg: TrainConfig) -> str:
+    """The held-out figure the best checkpoint is chosen by: the tree's replayed τ when trees are scored."""
+    return "val_tree_tau_96" if cfg.val_tree_budget > 0 else BEST_BY
+
+
+def best_state(ck: Path, key: str = BEST_BY) -> dict[str, Any]:
+    """The best checkpoint's step and score `key`, checked like any checkpoint (a damaged one: one line
+    naming it)."""
     _, _, state = load_checkpoint(ck)
-    if not isinstance(state.get("step"), int) or BEST_BY not in state:
-        raise ValueError(f"{ck / 'state.json'}: not a best checkpoint's state (no step or {BEST_BY}); "
+    if not isinstance(state.get("step"), int) or key not in state:
+        raise ValueError(f"{ck / 'state.json'}: not a best checkpoint's state (no step or {key}); "
                          "move it aside to resume")
     return state
 

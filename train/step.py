@@ -20,7 +20,7 @@ from train.data import BatchDataset, to_device
 from train.losses import LossOut, Weighting, acceptance_from_acc, draft_loss
 from train.masks import FLEX_TILE, dense_context_mask, dense_mask, flex_block_mask, flex_context_mask
 from train.model import DFlashDrafter
-from train.replay import decode_visits, replay_counts
+from train.replay import decode_visits, replay_counts, tree_accepts
 
 __all__ = ["LossSettings", "StepStats", "evaluate_holdout", "forward_backward", "forward_loss", "lr_lambda",
            "make_optimizer"]
@@ -55,9 +55,11 @@ class LossSettings:
     """The rows' loss weights: the fixed decay, or decode-aware ones from the step's own hits."""
 
 
-def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, replay: bool = False) -> LossOut:
+def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, replay: bool = False,
+                 tree_budget: int = 0) -> LossOut:
     """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU);
-    with `replay`, also the accepted drafts per block (LossOut "accepts")."""
+    with `replay`, also the accepted drafts per block (LossOut "accepts"); with `tree_budget` > 0, also
+    those of a draft tree of that many nodes ("tree_accepts", train.replay.tree_accepts)."""
     taps = batch["hidden"]  # [b, T, K*H]: the tapped layers' states
     tile = loss.context_tile or (FLEX_TILE if loss.use_flex else 1)
     # keys past the last anchor are never seen, so padding the context changes nothing but where the
@@ -75,11 +77,15 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
-        return draft_loss(hidden, core.labels(batch["labels"], IGNORE), core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
-                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, divergence=loss.divergence,
-                          chunk=loss.chunk,
-                          backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
-                          anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay)
+        labels = core.labels(batch["labels"], IGNORE)  # [b, Q] lm_head rows
+        out = draft_loss(hidden, labels, core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
+                         teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, divergence=loss.divergence,
+                         chunk=loss.chunk, backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
+                         anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay)
+        if tree_budget > 0:
+            out["tree_accepts"] = tree_accepts(hidden.detach(), labels, core.lm_head, block_size=loss.block_size,
+                                               budget=tree_budget)
+        return out
 
 
 def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings, grad_scale: float = 1.0) -> LossOut:
@@ -95,9 +101,36 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings, 
 DECODE_WINDOW = 96
 
 
+def _replay_sums(stats: StepStats, prefix: str, walk: tuple, groups: dict[str, torch.Tensor],
+                 sample_ids: torch.Tensor) -> None:
+    """Add one micro-batch's replayed decoding, whole answers and the window (and the window per group),
+    to stats.sums under `prefix` (walk: anchors, accepts, spans [b, N])."""
+    visits = decode_visits(*walk)  # [b, N]: shared by the whole answers and the window
+    for key, window in (("replay", 0), ("window", DECODE_WINDOW)):
+        tokens, forwards = replay_counts(*walk, window=window, visits=visits)
+        stats.add_sum(f"{prefix}{key}_tokens", tokens)
+        stats.add_sum(f"{prefix}{key}_forwards", forwards)
+    for g, ids in groups.items():
+        rows = torch.isin(sample_ids, ids)  # [b]: this group's answers of the micro-batch
+        tokens, forwards = replay_counts(*(t[rows] for t in walk), window=DECODE_WINDOW, visits=visits[rows])
+        stats.add_sum(f"{prefix}{g}:tokens", tokens)
+        stats.add_sum(f"{prefix}{g}:forwards", forwards)
+
+
+def _tau_keys(s: _Reduced, prefix: str, name: str, groups) -> dict[str, Any]:
+    """val_{name}, val_{name}_96 (and _by_domain) from the sums under `prefix`."""
+    ratio = lambda t, f: float(s[prefix + t] / s[prefix + f].clamp(min=1))  # noqa: E731
+    row = {f"val_{name}": ratio("replay_tokens", "replay_forwards"),
+           f"val_{name}_{DECODE_WINDOW}": ratio("window_tokens", "window_forwards")}
+    if groups:
+        row[f"val_{name}_{DECODE_WINDOW}_by_domain"] = {g: ratio(f"{g}:tokens", f"{g}:forwards") for g in groups}
+    return row
+
+
 @torch.no_grad()
 def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int,
-                     loss: LossSettings, groups: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+                     loss: LossSettings, groups: dict[str, torch.Tensor] | None = None,
+                     tree_budget: int = 0) -> dict[str, Any]:
     """Over the held-out micro-batches (all ranks; an anchor at every response position): the
     teacher-forced loss, per-slot accuracy and sim_tau, and val_decode_tau, speculative decoding
     replayed along the stored responses (train.replay.replay_counts), whole and over the first
@@ -105,38 +138,31 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     one whatever the run trains with, so runs with other weightings compare.
 
     groups: name -> int64 sample ids (e.g. the held-out prompts' domains); the window's τ is also
-    given per group, as val_decode_tau_96_by_domain (the same names on every rank)."""
+    given per group, as val_decode_tau_96_by_domain (the same names on every rank).
+    tree_budget > 0: the same for decoding that verifies a draft tree of that many nodes per step
+    (train.replay.tree_accepts): val_tree_tau, val_tree_tau_96 (and _by_domain)."""
     model.eval()
     plain = dataclasses.replace(loss, backward="fused", compiled=False, weighting=Weighting())  # no backward here
     stats = StepStats(loss.block_size, device)
     groups = {g: ids.to(device) for g, ids in (groups or {}).items()}
-    for g in groups:  # before any batch, so every rank's sums hold the same names in the same order
-        stats.sums[f"{g}:tokens"], stats.sums[f"{g}:forwards"] = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    prefixes = ("", "tree:") if tree_budget > 0 else ("",)
+    for p in prefixes:  # before any batch, so every rank's sums hold the same names in the same order
+        for name in ("replay_tokens", "replay_forwards", "window_tokens", "window_forwards",
+                     *(f"{g}:{n}" for g in groups for n in ("tokens", "forwards"))):
+            stats.add_sum(p + name, 0)
     for i in range(len(ds)):
         batch = to_device(ds[i], device)
-        out = forward_loss(model, batch, plain, replay=True)
+        out = forward_loss(model, batch, plain, replay=True, tree_budget=tree_budget)
         stats.add(out, batch, by_weight=True)
-        walk = (batch["anchors"], out["accepts"], batch["anchor_span"])
-        visits = decode_visits(*walk)  # [b, N]: shared by the whole answers and the window
-        for key, window in (("replay", 0), ("window", DECODE_WINDOW)):
-            tokens, forwards = replay_counts(*walk, window=window, visits=visits)
-            stats.sums[f"{key}_tokens"] += tokens
-            stats.sums[f"{key}_forwards"] += forwards
-        for g, ids in groups.items():
-            rows = torch.isin(batch["sample_id"], ids)  # [b]: this group's answers of the micro-batch
-            tokens, forwards = replay_counts(*(t[rows] for t in walk), window=DECODE_WINDOW, visits=visits[rows])
-            stats.sums[f"{g}:tokens"] += tokens
-            stats.sums[f"{g}:forwards"] += forwards
+        for p, accepts in zip(prefixes, (out["accepts"], out.get("tree_accepts"))):
+            _replay_sums(stats, p, (batch["anchors"], accepts, batch["anchor_span"]), groups, batch["sample_id"])
     s = stats.reduced(world)
     model.train()
     acc = s.acc()
     row = {"val_loss": float(s["loss"] / s["weight"].clamp(min=1e-12)), "val_acc": acc,
-           "val_sim_tau": acceptance_from_acc(acc),
-           "val_decode_tau": float(s["replay_tokens"] / s["replay_forwards"].clamp(min=1)),
-           f"val_decode_tau_{DECODE_WINDOW}": float(s["window_tokens"] / s["window_forwards"].clamp(min=1))}
-    if groups:
-        row[f"val_decode_tau_{DECODE_WINDOW}_by_domain"] = {
-            g: float(s[f"{g}:tokens"] / s[f"{g}:forwards"].clamp(min=1)) for g in groups}
+           "val_sim_tau": acceptance_from_acc(acc), **_tau_keys(s, "", "decode_tau", groups)}
+    if tree_budget > 0:
+        row.update({"val_tree_budget": tree_budget, **_tau_keys(s, "tree:", "tree_tau", groups)})
     return row
 
 
@@ -179,8 +205,7 @@ class StepStats:
     def reset(self) -> None:
         z = lambda *n: torch.zeros(*n, device=self.device)  # noqa: E731
         self.sums = {"correct": z(self.block_size), "count": z(self.block_size), "loss": z(1), "weight": z(1),
-                     "positions": z(1), "replay_tokens": z(1), "replay_forwards": z(1),
-                     "window_tokens": z(1), "window_forwards": z(1)}
+                     "positions": z(1)}
         self.micro_batches, self.wait = 0, 0.0
         self.since = time.time()  # the start of the row's time (validation and checkpoints are left out)
 
@@ -195,6 +220,12 @@ class StepStats:
         s["weight"] += w
         s["positions"] += (batch["labels"] != IGNORE).sum()
         self.micro_batches += 1
+
+    def add_sum(self, name: str, value) -> None:
+        """Add to a named scalar sum, made at its first use (held-out decoding's tokens and forwards)."""
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(1, device=self.device)
+        self.sums[name] += value
 
     def pause(self, seconds: float) -> None:
         """Leave `seconds` (a validation, a checkpoint) out of the row's rates."""

@@ -29,7 +29,7 @@ from train.follow import StoreView, WriterWatch, agree_view, view_of
 from train.losses import acceptance_from_acc
 from train.metrics import MetricsLog, plot_metrics, trim_metrics
 from train.start import (
-    BEST_BY,
+    best_by,
     best_state,
     build_drafter,
     check_resume,
@@ -112,8 +112,9 @@ class Trainer:
                               config={k: self.record[k] for k in ("train", "drafter")})
         self.val_ds, self.val_groups = self._holdout_set()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
-        best = best_state(best_ck) if best_ck else {"step": self.step, BEST_BY: float("-inf")}
-        self.best_score = best[BEST_BY]
+        self.best_by = best_by(cfg)
+        best = best_state(best_ck, self.best_by) if best_ck else {"step": self.step, self.best_by: float("-inf")}
+        self.best_score = best[self.best_by]
         self.stale = max(0, self.step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
         self.stats = StepStats(cfg.block_size, self.device)
         self.saved_at = -1  # the step last checkpointed: a run's end often falls on a --checkpoint-every step
@@ -246,11 +247,11 @@ class Trainer:
         """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as checkpoints/best-STEP."""
         self.check_finite()
         row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world, loss=self.loss,
-                               groups=self.val_groups)
+                               groups=self.val_groups, tree_budget=self.cfg.val_tree_budget)
         self.log.write({"step": self.step, "epoch": epoch, **row})
         self.stale += 1
-        if row[BEST_BY] > self.best_score:  # every rank holds the all-reduced row: all agree
-            self.best_score, self.stale = row[BEST_BY], 0
+        if row[self.best_by] > self.best_score:  # every rank holds the all-reduced row: all agree
+            self.best_score, self.stale = row[self.best_by], 0
             if self.rank == 0:
                 save_best(self.cfg.out, self.step, model=self.model,
                           state={"step": self.step, "epoch": epoch, **row, "config": self.cfg.to_dict(), **self.record})

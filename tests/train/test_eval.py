@@ -76,27 +76,32 @@ def _assert_replay_equals_decoding(target: str, run: str) -> None:
     tgt = load_target(target, device=torch.device("cpu")).model
     served = hf_drafter(state, weights).eval()
     ids = [int(x) for x in reader.sample_ids]
-    new_total = forwards_total = 0
+    new_total = forwards_total = tree_total = 0
     for sid in ids:
         batch = BatchDataset(store, [[sid]], [0], every, seed=0, epoch=-1)[0]
         with torch.no_grad():
-            out = forward_loss(model, batch, loss, replay=True)
+            out = forward_loss(model, batch, loss, replay=True, tree_budget=8)
         tokens, forwards = replay_counts(batch["anchors"], out["accepts"], batch["anchor_span"])
+        _, tree_forwards = replay_counts(batch["anchors"], out["tree_accepts"], batch["anchor_span"])
         sample = reader.get_batch([sid])[0]
         p = int(sample.loss_mask.nonzero()[0])
-        spec = served.spec_generate(tgt, sample.input_ids[None, :p], max_new_tokens=len(sample.input_ids) - p,
-                                    eos_token_id=[])
-        assert spec["sequences"][0].tolist() == sample.input_ids.tolist()  # the store holds the greedy path
-        assert (int(tokens), int(forwards)) == (len(sample.input_ids) - p, spec["target_forwards"]), sid
-        new_total, forwards_total = new_total + int(tokens), forwards_total + spec["target_forwards"]
-    assert forwards_total < 0.8 * new_total  # the drafter is accepted: the check is not 1 == 1
+        for budget, counted in ((0, forwards), (8, tree_forwards)):  # the chain, then a tree of 8 nodes
+            spec = served.spec_generate(tgt, sample.input_ids[None, :p], max_new_tokens=len(sample.input_ids) - p,
+                                        eos_token_id=[], tree_budget=budget)
+            assert spec["sequences"][0].tolist() == sample.input_ids.tolist()  # the store holds the greedy path
+            assert (int(tokens), int(counted)) == (len(sample.input_ids) - p, spec["target_forwards"]), (sid, budget)
+        new_total, forwards_total = new_total + int(tokens), forwards_total + int(forwards)
+        tree_total += int(tree_forwards)
+    assert forwards_total < 0.8 * new_total and tree_total <= forwards_total  # drafts accepted; the tree no fewer
     held = BatchDataset(store, [ids], [0], every, seed=0, epoch=-1)  # all prompts in one padded batch
-    row = evaluate_holdout(model, held, torch.device("cpu"), world=1, loss=loss)
+    row = evaluate_holdout(model, held, torch.device("cpu"), world=1, loss=loss, tree_budget=8)
     assert row["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6)
+    assert row["val_tree_tau"] == pytest.approx(new_total / tree_total, rel=1e-6) and row["val_tree_budget"] == 8
     from train.replay_score import replay_score  # the command over any store: the same figure
 
-    got = replay_score(store, run=run, checkpoint=str(latest_checkpoint(run)), whole_head=False)
+    got = replay_score(store, run=run, checkpoint=str(latest_checkpoint(run)), whole_head=False, tree_budgets=(8,))
     assert got["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6) and got["samples"] == len(ids)
+    assert got["tree_curve"]["8"]["val_tree_tau"] == pytest.approx(new_total / tree_total, rel=1e-6)
 
 
 def test_a_budget_curve_decodes_every_budget_losslessly_against_one_baseline(trained):

@@ -205,3 +205,51 @@ def test_weighting_refuses_bad_values():
         Weighting(visit_weight=-1.0)
     with pytest.raises(ValueError, match="visit_weight"):
         Weighting(visit_weight=math.nan)
+
+
+def _brute_tree_accepts(logp: torch.Tensor, truth: list[int], budget: int) -> int:
+    """One block: enumerate every prefix of the D slots, keep the `budget` best by summed
+    log-probability (ties to the shallower), and return the longest prefix of `truth` among them."""
+    import itertools
+
+    d_slots, v = logp.shape
+    prefixes = [(sum(float(logp[k, t]) for k, t in enumerate(p)), len(p), p)
+                for d in range(1, d_slots + 1) for p in itertools.product(range(v), repeat=d)]
+    kept = {p for _, _, p in sorted(prefixes, key=lambda x: (-x[0], x[1]))[:budget]}
+    best = 0
+    for d in range(1, d_slots + 1):
+        if all(t >= 0 for t in truth[:d]) and tuple(truth[:d]) in kept:
+            best = d
+    return best
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8, 200])
+def test_tree_accepts_equal_a_brute_force_enumeration_of_each_blocks_best_prefixes(budget):
+    from train.replay import tree_accepts
+
+    torch.manual_seed(budget)
+    b, n, bs, h, v = 2, 3, 4, 6, 5
+    hidden, lm_head = torch.randn(b, n * bs, h) * 2, torch.randn(v, h)
+    logp = torch.log_softmax(hidden.view(b, n, bs, h)[:, :, 1:] @ lm_head.T, -1)  # [b, n, D, V]
+    # truths that follow the drafter's favourites often (else every tree misses), some unlabelled slots
+    labels = torch.where(torch.rand(b, n * bs) < 0.6, (hidden @ lm_head.T).argmax(-1), torch.randint(0, v, (b, n * bs)))
+    labels[0, 5], labels[1, 2], labels[1, 9] = IGNORE, -1, -1
+    got = tree_accepts(hidden, labels, lm_head, block_size=bs, budget=budget, chunk=4)
+    want = [[_brute_tree_accepts(logp[i, j], labels[i].view(n, bs)[j, 1:].tolist(), budget) for j in range(n)]
+            for i in range(b)]
+    assert got.tolist() == want
+    assert budget < 8 or got.sum() > 0  # the oracle is not all zeros
+
+
+def test_a_one_wide_tree_of_one_node_a_slot_accepts_what_the_chain_accepts():
+    from train.replay import tree_accepts
+
+    torch.manual_seed(0)
+    b, n, bs, h, v = 3, 5, 6, 8, 7
+    hidden, lm_head = torch.randn(b, n * bs, h), torch.randn(v, h)
+    greedy = (hidden @ lm_head.T).argmax(-1)  # [b, Q]
+    labels = torch.where(torch.rand(b, n * bs) < 0.8, greedy, (greedy + 1) % v)
+    hit = (greedy == labels).view(b, n, bs)
+    chain = block_accepts(hit)
+    assert tree_accepts(hidden, labels, lm_head, block_size=bs, budget=bs - 1, width=1).tolist() == chain.tolist()
+    assert chain.sum() > 0 and (tree_accepts(hidden, labels, lm_head, block_size=bs, budget=64) >= chain).all()

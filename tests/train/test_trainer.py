@@ -241,6 +241,25 @@ def test_patience_stops_after_evaluations_without_a_new_best(store, tmp_path, mo
         train_cfg(store, out, patience=2)  # nothing held out to be patient about
 
 
+def test_with_trees_scored_the_best_checkpoint_goes_by_the_trees_replayed_tau(store, tmp_path, monkeypatch):
+    import train.trainer as trainer
+
+    scored, chain, tree = trainer.evaluate_holdout, iter([1.2, 1.5, 1.1]), iter([2.0, 1.9, 2.4])
+
+    def scripted(*args, **kwargs):  # the chain's best is step 20, the tree's step 30
+        row = scored(*args, **kwargs)
+        assert row["val_tree_budget"] == 8 and row["val_tree_tau_96"] >= 1.0
+        return {**row, "val_decode_tau": next(chain), "val_tree_tau_96": next(tree)}
+
+    monkeypatch.setattr(trainer, "evaluate_holdout", scripted)
+    out = tmp_path / "t"
+    train(train_cfg(store, out, max_steps=30, val_samples=4, val_every=10, val_tree_budget=8))
+    assert best_checkpoint(out).name == "best-30"
+    assert all("val_tree_tau" in r for r in metric_rows(out) if "val_loss" in r)
+    with pytest.raises(ValueError, match="val_tree_budget"):
+        train_cfg(store, out, val_tree_budget=8)  # nothing held out to replay trees on
+
+
 def test_the_last_steps_are_logged_when_the_epochs_end_between_log_rows(store, tmp_path):
     """Epochs end the run before --max-steps and off a --log-every step: a row still covers the tail."""
     res = train(train_cfg(store, tmp_path / "r", epochs=1, max_steps=1000, log_every=1000))
