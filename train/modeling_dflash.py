@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
-from .draft_tree import DraftTree, ancestor_mask, build_tree, walk_tree
+from .decoding_state import DecodingState, PhaseClock
 
 __all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "cache_of", "cache_kwarg", "keep_cache_rows", "rope_cos_sin"]
 
@@ -203,7 +203,8 @@ class DFlashDraftModel(PreTrainedModel):
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.Tensor, *, max_new_tokens: int = 256,
                       eos_token_id: int | list[int] | None = None, cuda_graph: bool = True,
-                      tree_budget: int | None = None, tree_width: int | None = None) -> dict:
+                      tree_budget: int | None = None, tree_width: int | None = None,
+                      timings: dict[str, float] | None = None) -> dict:
         """Greedy speculative decoding of one prompt (input_ids [1, P]) with `target`, an HF causal LM.
 
         Returns {"sequences": [1, P + new] ids, "accepted": tokens emitted per target forward (the
@@ -217,6 +218,11 @@ class DFlashDraftModel(PreTrainedModel):
         with an ancestor-only mask; its greedy token is walked down the tree and the matched path
         is kept. 0: the chain of each slot's argmax. None: the export's default (config.json
         dflash_config tree_budget and tree_width; the chain where it names none).
+
+        timings: a dict each phase's seconds are added to (prefill, mask: the verify's inputs, verify:
+        the target's forward, step: acceptance, context update and the next draft or tree, sync: the
+        step's result to the host, compact: the target's cache cut to the committed path). Timing
+        synchronizes the device between phases, so a timed decode runs slower than an untimed one.
         """
         d = self.config.dflash_config
         tree_budget = int(d.get("tree_budget", 0)) if tree_budget is None else tree_budget
@@ -235,19 +241,26 @@ class DFlashDraftModel(PreTrainedModel):
             lambda _m, _a, o, i=i: taps.__setitem__(i, o[0] if isinstance(o, tuple) else o))
             for i in self.target_layer_ids]
         tapped = lambda: torch.cat([taps[i] for i in self.target_layer_ids], dim=-1)  # noqa: E731  [1, S, K*H]
+        clock = PhaseClock(timings, input_ids.device)
         try:
             out, kw = target(input_ids, use_cache=True), cache_kwarg(target)
             cache, first = cache_of(out), out.logits[0, -1].argmax()
             dec.start(tapped(), first)  # context = states of positions 0..P-1, first block drafted
             tokens, accepted = [int(first)], [1]
+            clock.lap("prefill")
             while tokens[-1] not in eos and len(tokens) < max_new_tokens:
                 n = prompt_len + len(tokens) - 1  # position of the last (not yet verified) token: block[0]
-                out = target(**dec.verify_inputs(n), use_cache=True, **{kw: cache})
+                inputs = dec.verify_inputs(n)
+                clock.lap("mask")
+                out = target(**inputs, use_cache=True, **{kw: cache})
                 cache = cache_of(out)
                 dec.want.copy_(out.logits[0].argmax(-1))  # the target's choice after each verified token
                 dec.taps.copy_(tapped())
+                clock.lap("verify")
                 dec.step()
+                clock.lap("step")
                 a, path, emitted = dec.result()  # the step's one host sync
+                clock.lap("sync")
                 new = emitted[: max_new_tokens - len(tokens)]
                 for t in new:
                     tokens.append(t)
@@ -255,6 +268,7 @@ class DFlashDraftModel(PreTrainedModel):
                         break
                 accepted.append(len(new))
                 keep_cache_rows(cache, n, [0, *path[:a]])  # the target's cache for verified tokens only
+                clock.lap("compact")
         finally:
             for h in hooks:
                 h.remove()
@@ -262,7 +276,7 @@ class DFlashDraftModel(PreTrainedModel):
         return {"sequences": seq, "accepted": accepted, "target_forwards": len(accepted)}
 
     def _decoding_for(self, target, rows: int, device: torch.device, graph: bool, budget: int = 0,
-                      width: int = 0) -> _Decoding:
+                      width: int = 0) -> DecodingState:
         """A decoding state with at least `rows` context rows for this target, kept for the next prompt
         (a CUDA graph is captured once per state, not per prompt)."""
         head, embed = target.get_output_embeddings().weight, target.get_input_embeddings().weight
@@ -274,150 +288,9 @@ class DFlashDraftModel(PreTrainedModel):
         states = {k: v for k, v in getattr(self, "_decodings", {}).items() if k[:6] == key[:6]}
         old = states.get(key)
         if old is None or old.rows < rows:
-            states[key] = _Decoding(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key,
+            states[key] = DecodingState(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key,
                                     budget, width, target.dtype)
         else:  # weights loaded in place since (a draft vocabulary, the target's head): the graph reads this copy
             old.head.copy_(self.draft_head(head))
         self._decodings, self._decoding = states, states[key]
         return self._decoding
-
-
-class _Decoding:
-    """The drafter's side of greedy speculative decoding in fixed-size tensors.
-
-    The context keys and values live in buffers of `rows` rows, of which the first `n` are verified
-    (n, a device scalar, is the position of block[0], the last token not yet verified); rows past n
-    hold stale or unverified states and are masked out. With every shape fixed, a step (accept the
-    verified block, append its states to the context, draft the next block) is one function of
-    these tensors; on CUDA it is captured once as a graph and replayed, one launch instead of ~200:
-    at batch 1 a few-layer drafter is bound by launches, not arithmetic. With a tree budget N the
-    target verifies the N + 1 nodes of `tree` (the root is block[0]) instead of the block.
-    """
-
-    def __init__(self, drafter: DFlashDraftModel, embed: torch.Tensor, head: torch.Tensor, rows: int,
-                 graph: bool, key: tuple, budget: int = 0, width: int = 0,
-                 target_dtype: torch.dtype = torch.float32) -> None:
-        c, dev, dt = drafter.config, embed.device, drafter.fc.weight.dtype
-        bs, self.d, self.embed, self.rows, self.key = drafter.block_size, drafter, embed, rows, key
-        self.budget, self.width, self.target_dtype = budget, width, target_dtype
-        # [V or N, H], a copy of its own (a later copy_ must not write into the target's weights), kept
-        # in the weight's own layout: a bf16 matmul against the transposed copy ran ~50x slower on a CPU
-        self.head = head.to(dt, copy=True).contiguous()
-        shape = (1, c.num_key_value_heads, rows, c.head_dim)
-        self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
-        self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
-        self.n = torch.zeros((), dtype=torch.long, device=dev)
-        self.block = torch.full((bs,), drafter.mask_token_id, dtype=torch.long, device=dev)  # [Q] ids
-        m = budget + 1 if budget else bs  # tokens one verify sees
-        self.want = torch.zeros(m, dtype=torch.long, device=dev)  # the target's argmax after each verified token
-        self.taps = torch.zeros(1, m, drafter.fc.in_features, dtype=embed.dtype, device=dev)  # the verify's taps
-        self.row_ids, self.offsets = torch.arange(rows, device=dev), torch.arange(bs, device=dev)
-        # accepted drafts, then the path's node indices [Q-1], then the tokens emitted [Q] (-1 past them)
-        self.out = torch.zeros(2 * bs, dtype=torch.long, device=dev)
-        z = torch.zeros(m, dtype=torch.long, device=dev)
-        self.tree = DraftTree(z.clone(), z.clone(), z.clone(), torch.ones(m, dtype=torch.bool, device=dev),
-                              torch.zeros(m, device=dev))
-        self.anc = torch.ones(m, m, dtype=torch.bool, device=dev)  # [N+1, N+1] ancestor-or-self
-        self.use_graph, self.graph = graph, None
-
-    def _write(self, taps: torch.Tensor, pos: torch.Tensor) -> None:
-        """taps [1, S, K*H] of positions pos [S] -> their keys and values into rows pos."""
-        for k, v, (k2, v2) in zip(self.k, self.v, self.d.context_kv(taps, pos[None])):
-            k.index_copy_(2, pos, k2)
-            v.index_copy_(2, pos, v2)
-
-    def _draft(self) -> None:
-        """From block[0] and context rows < n: block[1:] <- the drafter's argmax at the masked slots
-        (chain), or the tree of the slots' N best prefixes (tree budget N)."""
-        if self.budget:
-            self.block[1:].fill_(self.d.mask_token_id)
-        hid = self.d(F.embedding(self.block[None], self.embed), (self.n + self.offsets)[None],
-                     list(zip(self.k, self.v)), self.row_ids < self.n)  # [1, Q, H]
-        logits = F.linear(hid[0, 1:], self.head)  # [Q-1, V or N]
-        if not self.budget:
-            self.block[1:].copy_(self.d.draft_tokens(logits))
-            return
-        tree = build_tree(torch.log_softmax(logits.float(), -1), self.budget, self.block[0], self.width)
-        ids = tree.tokens if self.d.draft_ids is None else torch.cat([tree.tokens[:1], self.d.draft_ids[tree.tokens[1:]]])
-        for mine, new in zip(self.tree, (ids, *tree[1:])):
-            mine.copy_(new)
-        self.anc.copy_(ancestor_mask(tree.parents, self.block.shape[0] - 1))
-
-    def _accept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(accepted drafts, verified rows to keep [Q]: the root's and the path's, the target's next
-        token) from want; fills `out`."""
-        q = self.block.shape[0]
-        if self.budget:
-            a, path, last = walk_tree(self.tree, self.want, q - 1)
-            keep = torch.cat([path.new_zeros(1), path])  # [Q] node indices
-            bonus = self.want.index_select(0, last[None])
-            drafted = self.tree.tokens.index_select(0, path)  # [Q-1]
-        else:
-            a = (self.block[1:] == self.want[:-1]).long().cumprod(0).sum()
-            keep, bonus, path = self.offsets, self.want.index_select(0, a[None]), self.offsets[1:]
-            drafted = self.block[1:]
-        emitted = torch.where(self.offsets < a, torch.cat([drafted, bonus]), -1)  # [Q]
-        emitted = torch.where(self.offsets == a, bonus, emitted)
-        self.out.copy_(torch.cat([a[None], path, emitted]))
-        return a, keep, bonus
-
-    def _step(self) -> None:
-        a, keep, bonus = self._accept()
-        # rows n.. of the root and the accepted path; those past n + a stay masked
-        self._write(self.taps.index_select(1, keep), self.n + self.offsets)
-        self.n.add_(a + 1)
-        self.block[:1].copy_(bonus)  # the target's own token after the accepted ones
-        self.block[1:].fill_(self.d.mask_token_id)
-        self._draft()
-
-    def verify_inputs(self, n: int) -> dict:
-        """The target's inputs for verifying the drafted block or tree whose root is at position n."""
-        if not self.budget:
-            return {"input_ids": self.block[None]}
-        m = self.budget + 1
-        # the cache holds positions < n, all visible; the tree's nodes see their ancestors and themselves
-        see = torch.cat([self.anc.new_ones(m, n), self.anc], 1)  # [N+1, n+N+1]
-        mask = torch.zeros(see.shape, dtype=self.target_dtype, device=see.device)
-        mask.masked_fill_(~see, torch.finfo(self.target_dtype).min)
-        return {"input_ids": self.tree.tokens[None], "position_ids": (n + self.tree.depths)[None],
-                "attention_mask": mask[None, None]}
-
-    def result(self) -> tuple[int, list[int], list[int]]:
-        """(accepted drafts, the path's node indices, the tokens the step emits) on the host."""
-        got = self.out.tolist()
-        q = self.block.shape[0]
-        a = got[0]
-        return a, got[1: q], got[q: q + a + 1]
-
-    def start(self, taps: torch.Tensor, first: torch.Tensor) -> None:
-        """taps [1, P, K*H] of the prompt, first (0-d) the target's first token: context and first draft."""
-        p = taps.shape[1]
-        self._write(taps, self.row_ids[:p])
-        self.n.fill_(p)
-        self.block.fill_(self.d.mask_token_id)
-        self.block[:1].copy_(first.view(1))
-        self._draft()
-
-    def step(self) -> None:
-        """After want and taps hold the verify's results: accept, extend the context, draft the next block."""
-        if not self.use_graph:
-            return self._step()
-        if self.graph is None:  # warm up on a side stream, capture, and undo what the warm-up changed
-            saved = (self.n.clone(), self.block.clone(), [x.clone() for x in self.tree], self.anc.clone())
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step()
-                    self._restore(saved)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._step()
-            self._restore(saved)
-        self.graph.replay()
-
-    def _restore(self, saved: tuple) -> None:
-        self.n.copy_(saved[0]), self.block.copy_(saved[1]), self.anc.copy_(saved[3])
-        for mine, old in zip(self.tree, saved[2]):
-            mine.copy_(old)

@@ -91,7 +91,8 @@ def test_export_refuses_a_non_empty_out_unless_overwrite(trained, tmp_path):
         export_run(run, str(out))
     assert (out / "stale.safetensors").exists() and not (out / "config.json").exists()
     export_run(run, str(out), overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "draft_tree.py", "model.safetensors", "modeling_dflash.py"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "decoding_state.py", "draft_tree.py",
+                                                     "model.safetensors", "modeling_dflash.py"]
     export_run(run, str(out), overwrite=True)  # its own earlier export too needs --overwrite
     with pytest.raises(ValueError, match="not empty"):
         export_run(run, str(out))
@@ -139,7 +140,7 @@ def test_export_serves_through_automodel_in_a_fresh_process_losslessly(trained, 
     assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3]  # vLLM's count: the tap ids + 1
     assert cfg["dflash_config"]["mask_token_id"] == 300 and cfg["dflash_config"]["mask_token"] == ""
-    assert cfg["dflash_config"]["tree_budget"] == 128  # spec_generate's default: the served run decodes a tree
+    assert cfg["dflash_config"]["tree_budget"] == 512  # spec_generate's default: the served run decodes a tree
     res = _serve(out, target, prompts=prompts)
     assert res["class"] == "DFlashDraftModel" and res["dtype"] == "torch.bfloat16"
     assert all(r["same"] for r in res["runs"]), res

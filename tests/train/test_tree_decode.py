@@ -80,3 +80,32 @@ def test_a_negative_budget_is_refused(pair):
     drafter, tgt, prompts = pair
     with pytest.raises(ValueError, match="tree_budget"):
         _decode(drafter, tgt, prompts[0], tree_budget=-1)
+
+
+def test_timed_decoding_adds_every_phase_and_decodes_the_same(pair):
+    drafter, tgt, prompts = pair
+    timings: dict[str, float] = {}
+    for budget in (0, 8):
+        assert _decode(drafter, tgt, prompts[0], tree_budget=budget, timings=timings) == \
+            _decode(drafter, tgt, prompts[0], tree_budget=budget)
+    assert set(timings) == {"prefill", "mask", "verify", "step", "sync", "compact"}
+    assert all(v >= 0 for v in timings.values()) and timings["verify"] > 0
+
+
+def test_the_tree_step_bench_splits_a_step_by_phase(trained, tmp_path):
+    """python -m bench tree-step on a tiny export: a row per budget, every phase timed."""
+    import json
+    import subprocess
+    import sys
+
+    from train.export import export_run
+
+    target, _, run = trained
+    export_run(run, str(tmp_path / "e"))
+    p = subprocess.run([sys.executable, "-m", "bench", "tree-step", "--export", str(tmp_path / "e"), "--target", target,
+                        "--budgets", "0,8", "--limit", "2", "--max-new-tokens", "12", "--json", str(tmp_path / "t.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert [r["budget"] for r in rows] == [0, 8] and all(r["steps"] > 0 and r["tau"] >= 1 for r in rows)
+    assert rows[1]["tree_build_ms"] > 0 and all(r["ms_per_step"]["verify"] > 0 for r in rows)
