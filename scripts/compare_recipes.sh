@@ -18,7 +18,7 @@
 # the one that goes further had more training; the train stage warns), TLIM (seconds each may train,
 # 420), VAL (held-out samples, 500), VAL_STORE (train's --val-store instead: `scale_run.sh valstore`
 # makes one of 32 a domain of the evaluation's validation prompts; val_decode_tau_96 then ranks the
-# variants on its formats), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
+# variants on its formats; with --val-tree-budget N in a variant's options, val_tree_tau_96 ranks its trees), WORKERS (DataLoader workers per variant, 3), EVAL_LIMIT (48), TOKENS (96),
 # EVAL_ARGS (more train.eval options, e.g. --no-prompt-lookup: a third less evaluation time),
 # GGUF (the target for eval; default: the run's).
 set -uo pipefail
@@ -60,7 +60,7 @@ train) run_all train_one
     last+=("$step")
     echo "$name: trained to step $step; last held-out:"
     grep val_decode_tau "$W/$name/metrics.jsonl" | tail -n 1 | python3 -c \
-      'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("step","val_loss","val_sim_tau","val_decode_tau","val_decode_tau_96","val_decode_tau_96_by_domain") if k in r})'
+      'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print({k: r.get(k) for k in ("step","val_loss","val_sim_tau","val_decode_tau","val_decode_tau_96","val_decode_tau_96_by_domain","val_tree_budget","val_tree_tau_96","val_tree_tau_96_by_domain") if k in r})'
   done
   # a variant that ran further had more training: its τ is not comparable (rerun with fewer STEPS)
   if [ "$(printf '%s\n' "${last[@]}" | sort -u | wc -l)" -gt 1 ]; then
@@ -73,7 +73,7 @@ eval) run_all eval_one
 try: r = json.loads(sys.stdin.read())
 except ValueError: print("no result"); sys.exit()
 print(sys.argv[1], {k: r.get(k) for k in ("tau", "tau_per_response", "lossless", "speedup", "tau_by_domain",
-                                         "draft_vocab_coverage", "checkpoint")})' "$name"
+                                         "draft_vocab_coverage", "checkpoint", "tree_curve")})' "$name"
   done;;
 pack)
   out=${OUT:-/tmp/out}; mkdir -p "$out"

@@ -29,10 +29,10 @@ from train.model import DrafterConfig
 
 __all__ = ["SERVED_FILES", "export_config", "export_run", "from_export_names", "hf_drafter", "to_export_names", "write_export"]
 
-# the export's code: the modeling file AutoModel loads and the module it imports (relative import,
+# the export's code: the modeling file AutoModel loads and the modules it imports (relative imports,
 # which transformers copies along with trust_remote_code)
-SERVED_FILES = ("modeling_dflash.py", "draft_tree.py")
-DEFAULT_TREE_BUDGET = 128
+SERVED_FILES = ("modeling_dflash.py", "decoding_state.py", "draft_tree.py")
+DEFAULT_TREE_BUDGET = 512
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
@@ -144,7 +144,7 @@ def export_config(state: dict) -> dict:
         "num_target_layers": state.get("num_target_layers", 0),
         "layer_types": ["full_attention"] * dc.num_layers,
         # tree_budget: spec_generate's default draft tree (0: the chain); the budget of the best measured
-        # speedup at batch 1 (docs/benchmarks/2026-12-04_trees_h200.md); a call's tree_budget overrides it
+        # speedup at batch 1 (docs/benchmarks/2026-12-04_trees-large-budgets_h200.md); a call's tree_budget overrides it
         "dflash_config": {"mask_token_id": dc.mask_token_id, "mask_token": state.get("mask_token", ""),
                           "target_layer_ids": list(state["layer_ids"]), "tree_budget": DEFAULT_TREE_BUDGET},
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in state["layer_ids"]],
