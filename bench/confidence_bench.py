@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--json", default="", help="also write the figures to this file")
     a = ap.parse_args()
     from cache_format.prompts import domain_of, heldout_prompts
-    from cache_format.target import chat_ids, eos_ids, load_target
+    from target.loader import chat_ids, eos_ids, load_target
     from train.acceptance import draft_checks
     from train.spec_decode import target_generate
 

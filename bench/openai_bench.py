@@ -26,9 +26,9 @@ def main() -> None:
     ap.add_argument("--json", default="")
     a = ap.parse_args()
 
-    from cache_format.target import save_hf_dir
     from extract.regenerate.answers import regenerate
     from extract.regenerate.local_server import LocalServer
+    from target.loader import save_hf_dir
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

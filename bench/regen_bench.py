@@ -25,7 +25,7 @@ import torch
 
 def _prompts(tok, n: int) -> list[list[int]]:
     from cache_format.prompts import train_prompts
-    from cache_format.target import chat_ids
+    from target.loader import chat_ids
 
     convs = train_prompts()
     return [chat_ids(tok, c) for c in (convs * (1 + n // len(convs)))[:n]]
@@ -144,11 +144,11 @@ def main() -> None:
                    for n in torch.randint(40, 320, (a.prompts,), generator=g)]
         a.paths = ",".join(p for p in a.paths.split(",") if p != "hf")
     else:
-        from cache_format.target import load_target
+        from target.loader import load_target
 
         t = load_target("", device=dev)
         model, tok = t.model, t.tokenizer
-        from cache_format.target import eos_ids
+        from target.loader import eos_ids
 
         eos, prompts = eos_ids(tok, model), _prompts(tok, a.prompts)
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, device {dev}, dtype {model.dtype}", flush=True)

@@ -45,7 +45,7 @@ def run(export: str, target: str, budgets: list[int], limit: int, max_new_tokens
     from transformers import AutoModel
 
     from cache_format.prompts import evaluation_prompts
-    from cache_format.target import chat_ids, eos_ids, load_target
+    from target.loader import chat_ids, eos_ids, load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tgt = load_target(target, device=device, dtype=torch.float32)

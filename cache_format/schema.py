@@ -118,7 +118,7 @@ class Manifest:
     """Tapped layers, in stored order (see LAYER_CONVENTION); never the last layer (last_layer_refusal says why)."""
     mask_token_id: int
     """Embedding row a drafter's block uses for tokens not yet known: one the target never emits
-    (cache_format.target.choose_mask_token), because servers drop drafted tokens equal to it."""
+    (target.loader.choose_mask_token), because servers drop drafted tokens equal to it."""
     last_hidden: bool
     """Whether `last_hidden` [T, H] (the final hidden state) is stored."""
     dataset: DatasetInfo

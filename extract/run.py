@@ -35,7 +35,6 @@ from cache_format.lock import StoreLock
 from cache_format.mirror import writing_to
 from cache_format.remote import default_local, is_url
 from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
-from cache_format.target import frozen_parts, load_target, mask_token_of
 from cache_format.world import World
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, read_conversations, render_many
@@ -43,6 +42,7 @@ from extract.pipeline import compile_decoder, ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
+from target.loader import frozen_parts, load_target, mask_token_of
 
 __all__ = ["run"]
 
@@ -54,7 +54,7 @@ def default_data_path(cfg: ExtractConfig) -> Path:
     """Where the default data for `cfg` lives: named by a hash of everything that decides it (the
     target file's sha256, the prompt limit, the seed, the generation settings), so another target,
     limit or seed never reuses these answers."""
-    from cache_format.target import packaged_gguf, target_sha256
+    from target.loader import packaged_gguf, target_sha256
 
     ident = {"target_sha256": target_sha256(cfg.target or packaged_gguf()), "limit": cfg.limit or 64,
              "seed": cfg.seed, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "temperature": 0.0,

@@ -1,4 +1,4 @@
-"""One converted-target cache for the whole session (cache_format.converted): the suite loads the
+"""One converted-target cache for the whole session (target.converted): the suite loads the
 packaged GGUF in several tests and processes; the first float32 load converts it, the rest read
 the conversion. Kept out of the user's own ~/.cache; shared by the workers of `pytest -n 2` (its
 lock lets one of them convert while the others wait)."""
@@ -39,7 +39,7 @@ def _converted_target_cache(tmp_path_factory):
 def packaged_hf_dir(tmp_path_factory, _converted_target_cache) -> str:
     """The packaged SmolLM2 as a plain HF directory (float32, from the session's conversion): what a
     server or a user's AutoModel loads in a second instead of de-quantizing the GGUF again."""
-    from cache_format.target import save_hf_dir
+    from target.loader import save_hf_dir
 
     return save_hf_dir("", tmp_path_factory.mktemp("packaged-hf") / "smol")
 

@@ -86,7 +86,7 @@ def test_confidence_suite_scores_an_evaluation_and_skips_what_does_not_line_up(t
     import torch
 
     from cache_format.prompts import heldout_prompts
-    from cache_format.target import chat_ids, eos_ids, load_target
+    from target.loader import chat_ids, eos_ids, load_target
     from tests.helpers import tiny_target_dir
     from train.spec_decode import target_generate
 

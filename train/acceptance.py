@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cache_format.target import capture
+from target.loader import capture
 
 __all__ = ["decode_chain", "draft_checks", "leading_matches", "per_response_tau", "teacher_forced_accepts",
            "vocab_rejections"]

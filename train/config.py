@@ -60,7 +60,7 @@ class TrainConfig:
     theirs; a token outside can never be drafted (the run logs the share of answer tokens inside)."""
     mask_token_id: int = -1
     """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first vocabulary
-    padding row, else an unused special token; see cache_format.target.choose_mask_token)."""
+    padding row, else an unused special token; see target.loader.choose_mask_token)."""
     intermediate_size: int = 0
     """Drafter MLP width; 0 = the target's."""
     epochs: int = 6

@@ -63,7 +63,7 @@ def _answer_earlier_turns(model, tok, msgs: list[dict], *, max_new_tokens: int, 
     """The conversation as decoding meets its last user turn: assistant messages dropped, every earlier
     user turn answered by the target's own greedy reply (what a served chat would hold)."""
     from cache_format.conversations import history, segments
-    from cache_format.target import chat_ids
+    from target.loader import chat_ids
 
     segs, answers = segments(msgs), []
     for _ in segs[:-1]:
@@ -129,7 +129,7 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     draft tree's node budget (0: the chain), or several, comma-separated: each prompt is decoded at
     every budget against one greedy baseline; the figures are the first budget's, and `tree_curve`
     holds every budget's. tree_width: at most this many tree nodes a depth (0: no cap)."""
-    from cache_format.target import chat_ids, eos_ids, load_target
+    from target.loader import chat_ids, eos_ids, load_target
 
     if not run and not export:
         raise ValueError("give --run (a training run), --export (an exported directory) or both")
@@ -240,7 +240,7 @@ def _export_target(export: str) -> str:
     """The target an export names (config.json "draftcache_target"): its path hint if that file is
     still the target (same sha256), else the packaged default target if it is that one; otherwise a
     one-line error naming the target to pass with --target."""
-    from cache_format.target import packaged_gguf, target_sha256
+    from target.loader import packaged_gguf, target_sha256
 
     want = json.loads((Path(export) / "config.json").read_text()).get("draftcache_target") or {}
     if not want.get("sha256"):

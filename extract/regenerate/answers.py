@@ -19,12 +19,12 @@ import torch
 from cache_format.conversations import history, segments
 from cache_format.layout import atomic_write_bytes
 from cache_format.lock import StoreLock
-from cache_format.target import chat_ids, eos_ids
 from extract.plan import generation_jobs
 from extract.regenerate.config import RegenConfig
 from extract.regenerate.openai_client import server_results
 from extract.regenerate.sampling import request_key
 from extract.regenerate.turns import TurnLog, conversation_key, turn_key
+from target.loader import chat_ids, eos_ids
 
 __all__ = ["RegenConfig", "RegenSummary", "hf_tokens", "pre_query_text", "regenerate"]
 
@@ -49,7 +49,7 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
     """Append generated conversations to cfg.out; returns what was written now.
 
     Takes a RegenConfig, or its fields as keywords (`shard` as an (i, n) tuple). `loaded`: a
-    cache_format.target.LoadedTarget already in memory (several runs, one load).
+    target.loader.LoadedTarget already in memory (several runs, one load).
     """
     cfg = cfg or RegenConfig(**kw)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +109,7 @@ class _Local(NamedTuple):
 
 def _local_target(cfg: RegenConfig, loaded) -> _Local:
     """The target loaded (or the one given), with the engine --engine auto or static resolves to."""
-    from cache_format.target import load_target
+    from target.loader import load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = loaded or load_target(cfg.target, device=device)
@@ -344,7 +344,7 @@ def _tokenizer_only(target: str):
     """The target's tokenizer (for its chat template) without loading the weights."""
     from transformers import AutoTokenizer
 
-    from cache_format.target import packaged_gguf
+    from target.loader import packaged_gguf
 
     path = Path(target or packaged_gguf())
     if path.suffix == ".gguf":

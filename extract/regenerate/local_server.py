@@ -5,7 +5,7 @@
         --model "$(python -m extract.regenerate.local_server --print-model)" --out x.jsonl --limit 8
 
 It runs transformers' own server (`transformers serve`, the `serving` extra of transformers) on a
-plain HF directory written from the target (cache_format.target.save_hf_dir). The tests and
+plain HF directory written from the target (target.loader.save_hf_dir). The tests and
 bench/openai_bench.py start it the same way; it is stopped by its pid, never by name.
 """
 
@@ -102,7 +102,7 @@ def main(target: str, model_dir: str, port: int, continuous_batching: bool, prin
     if print_model:
         click.echo(model_dir)
         return
-    from cache_format.target import save_hf_dir
+    from target.loader import save_hf_dir
 
     if not (Path(model_dir) / "config.json").exists():
         save_hf_dir(target, model_dir)

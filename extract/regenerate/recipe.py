@@ -93,7 +93,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, long_tokens: int = LO
     import torch
 
     from cache_format.prompts import train_prompts
-    from cache_format.target import load_target
+    from target.loader import load_target
 
     d = Path(out_dir)
     (d / "parts").mkdir(parents=True, exist_ok=True)

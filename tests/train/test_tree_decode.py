@@ -8,7 +8,7 @@ import torch
 
 import train.modeling_dflash as served_module
 from cache_format.conversations import read_conversations
-from cache_format.target import chat_ids, load_target
+from target.loader import chat_ids, load_target
 from train.checkpoint import latest_checkpoint, load_checkpoint
 from train.export import hf_drafter
 from train.spec_decode import target_generate

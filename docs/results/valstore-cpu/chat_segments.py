@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from cache_format.target import chat_ids, eos_ids, load_target
+from target.loader import chat_ids, eos_ids, load_target
 from train.eval import _drafters, _export_target, _prompts
 
 torch.set_num_threads(2)

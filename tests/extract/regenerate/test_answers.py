@@ -116,7 +116,7 @@ def test_every_turn_equals_hf_generate_after_the_regenerated_history(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from cache_format.conversations import history, segments
-    from cache_format.target import chat_ids, eos_ids
+    from target.loader import chat_ids, eos_ids
 
     target = tiny_target_dir(tmp_path / "t", "llama")
     prompts = write_chats(tmp_path / "p.jsonl", 4, turns=3)
@@ -165,8 +165,8 @@ def test_multi_turn_resume_goes_on_from_each_conversations_next_turn(tmp_path):
 def test_chat_template_kwargs_reach_the_template_and_bad_ones_are_one_line(tmp_path):
     from transformers import AutoTokenizer
 
-    from cache_format.target import chat_ids
     from extract.regenerate.config import RegenConfig
+    from target.loader import chat_ids
 
     tok = AutoTokenizer.from_pretrained(tiny_target_dir(tmp_path / "t", "llama"))
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}LOUD{% endif %}"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cache_format.schema import last_layer_refusal
-from cache_format.target import capture, choose_mask_token, decoder_parts, mask_token_of, stack_upto
+from target.loader import capture, choose_mask_token, decoder_parts, mask_token_of, stack_upto
 from tests.helpers import make_manifest, tiny_target_dir, tiny_tokenizer
 
 

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from cache_format.checksums import sha256_file
-from cache_format.converted import entry_lock, gguf_parsed_once, read_entry, write_entry, write_hf_dir
 from cache_format.errors import brief
 from cache_format.layout import KEPT_LAYER_PREFIX
 from cache_format.schema import TargetInfo
+from target.converted import entry_lock, gguf_parsed_once, read_entry, write_entry, write_hf_dir
 
 __all__ = ["LoadedTarget", "capture", "choose_mask_token", "decoder_parts", "load_target", "mask_token_of",
            "chat_ids", "eos_ids", "packaged_gguf", "save_hf_dir", "target_sha256", "tokenizer_sha256"]
@@ -172,7 +172,7 @@ def _loaded(path: Path, sha: str, model, tok, config: dict, tok_sha: str) -> Loa
 
 
 def _from_converted(path: Path, sha: str, device: torch.device) -> LoadedTarget | None:
-    """The target from its converted form (cache_format.converted), or None to convert it again."""
+    """The target from its converted form (target.converted), or None to convert it again."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     entry = read_entry(sha)

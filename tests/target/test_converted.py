@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import cache_format.converted as converted
-from cache_format.target import _from_converted, load_target, packaged_gguf, target_sha256
+import target.converted as converted
+from target.loader import _from_converted, load_target, packaged_gguf, target_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def test_second_load_reads_the_conversion_and_equals_it(monkeypatch, tmp_path):
 
     seen = []
     real = converted.read_entry
-    monkeypatch.setattr("cache_format.target.read_entry", lambda s: seen.append(s) or real(s))
+    monkeypatch.setattr("target.loader.read_entry", lambda s: seen.append(s) or real(s))
     b = load_target("", device=cpu)
     assert seen == [sha]
     assert b.info == a.info and b.tokenizer_sha256 == a.tokenizer_sha256
