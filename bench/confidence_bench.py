@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--target", default="", help="the target (default: the packaged SmolLM2 GGUF)")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     a = ap.parse_args()
-    from cache_format.prompts import domain_of, heldout_prompts
+    from chat.prompts import domain_of, heldout_prompts
     from target.loader import chat_ids, eos_ids, load_target
     from train.acceptance import draft_checks
     from train.spec_decode import target_generate

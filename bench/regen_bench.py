@@ -24,7 +24,7 @@ import torch
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
-    from cache_format.prompts import train_prompts
+    from chat.prompts import train_prompts
     from target.loader import chat_ids
 
     convs = train_prompts()

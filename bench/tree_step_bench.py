@@ -44,7 +44,7 @@ def build_seconds(d_slots: int, vocab: int, budget: int, device: torch.device, r
 def run(export: str, target: str, budgets: list[int], limit: int, max_new_tokens: int) -> list[dict]:
     from transformers import AutoModel
 
-    from cache_format.prompts import evaluation_prompts
+    from chat.prompts import evaluation_prompts
     from target.loader import chat_ids, eos_ids, load_target
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -29,7 +29,7 @@ import torch
 def _answer_counts(path: Path, tok, every: int, vocab_size: int) -> tuple[np.ndarray, int]:
     """[V] answer-token counts of every `every`-th record of a JSONL (or .gz) conversations file."""
     counts, n = np.zeros(vocab_size, dtype=np.int64), 0
-    from cache_format.conversations import BadRecord, jsonl_records
+    from chat.conversations import BadRecord, jsonl_records
 
     try:
         for i, rec in jsonl_records(path):
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--target", default="", help="the target (default: the packaged SmolLM2 GGUF)")
     ap.add_argument("--json", default="", help="also write the figures to this file")
     a = ap.parse_args()
-    from cache_format.prompts import domain_of
+    from chat.prompts import domain_of
     from target.loader import chat_ids, eos_ids, load_target
     from train.acceptance import leading_matches
     from train.eval import _answer_earlier_turns, _prompts

@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from cache_format.conversations import BadRecord, prompt_key, read_conversations
+from chat.conversations import BadRecord, prompt_key, read_conversations
 
 __all__ = ["BadRecord", "Rendered", "read_conversations", "render", "render_many"]
 

@@ -120,7 +120,7 @@ valstore)  # answers of 256 tokens (val_decode_tau_96 reads the evaluation's 96-
   # 32 a domain: the evaluation's even mix (all 264 are 57% code, and a pooled τ over them is mostly code's);
   # answers already in $W/val.jsonl are kept (e.g. made beforehand on a CPU by the float32 target with the
   # same two commands): the stage then only extracts them
-  python3 -m cache_format prompts validation "$W/val_prompts.jsonl" --per-domain "${VAL_PER_DOMAIN:-32}" || exit 1
+  python3 -m chat prompts validation "$W/val_prompts.jsonl" --per-domain "${VAL_PER_DOMAIN:-32}" || exit 1
   python3 -m extract.regenerate --prompts "$W/val_prompts.jsonl" --limit "${VAL_LIMIT:-0}" --out "$W/val.jsonl" --max-new-tokens 256 \
     --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 2
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "${VSTORE:-/dev/shm/val.zarr}" \

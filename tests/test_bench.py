@@ -85,7 +85,7 @@ def test_confidence_bands_split_the_checked_drafts_by_the_targets_top1():
 def test_confidence_suite_scores_an_evaluation_and_skips_what_does_not_line_up(tmp_path):
     import torch
 
-    from cache_format.prompts import heldout_prompts
+    from chat.prompts import heldout_prompts
     from target.loader import chat_ids, eos_ids, load_target
     from tests.helpers import tiny_target_dir
     from train.spec_decode import target_generate

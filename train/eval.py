@@ -40,19 +40,19 @@ __all__ = ["evaluate"]
 
 def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
     if spec == "default":
-        from cache_format.prompts import evaluation_prompts
+        from chat.prompts import evaluation_prompts
 
         prompts = evaluation_prompts()
     elif spec == "validation":
-        from cache_format.prompts import validation_prompts
+        from chat.prompts import validation_prompts
 
         prompts = validation_prompts()
     elif spec == "multiturn":
-        from cache_format.prompts import heldout_multiturn
+        from chat.prompts import heldout_multiturn
 
         prompts = heldout_multiturn()
     else:  # assistant turns are answered again by the target (_answer_earlier_turns): τ of the last turn
-        from cache_format.conversations import read_conversations
+        from chat.conversations import read_conversations
 
         prompts = [(f"{spec}:{sid + 1}", msgs)
                    for sid, msgs in read_conversations(spec, skip_bad=False, require_assistant=False)]
@@ -62,7 +62,7 @@ def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
 def _answer_earlier_turns(model, tok, msgs: list[dict], *, max_new_tokens: int, eos: set[int]) -> list[dict]:
     """The conversation as decoding meets its last user turn: assistant messages dropped, every earlier
     user turn answered by the target's own greedy reply (what a served chat would hold)."""
-    from cache_format.conversations import history, segments
+    from chat.conversations import history, segments
     from target.loader import chat_ids
 
     segs, answers = segments(msgs), []

@@ -78,7 +78,7 @@ def _sums_by(rows: list[dict[str, Any]], group, keys: tuple[str, ...]) -> dict[s
 
 
 def _domain(row: dict[str, Any]) -> str:
-    from cache_format.prompts import domain_of
+    from chat.prompts import domain_of
 
     return domain_of(source_of(row["prompt"]))
 

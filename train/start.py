@@ -14,8 +14,8 @@ import torch
 from cache_format import StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
 from cache_format.layout import KEPT_LAYER_PREFIX
-from cache_format.prompts import DOMAINS, heldout_domains
 from cache_format.schema import Manifest
+from chat.prompts import DOMAINS, heldout_domains
 from train.checkpoint import load_checkpoint
 from train.config import RESUME_FREE, TrainConfig
 from train.export import start_weights

@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from cache_format.conversations import history, segments
 from cache_format.layout import atomic_write_bytes
 from cache_format.lock import StoreLock
+from chat.conversations import history, segments
 from extract.plan import generation_jobs
 from extract.regenerate.config import RegenConfig
 from extract.regenerate.openai_client import server_results
@@ -63,8 +63,8 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
 
 
 def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
-    from cache_format.conversations import read_conversations
-    from cache_format.prompts import train_prompts
+    from chat.conversations import read_conversations
+    from chat.prompts import train_prompts
 
     if cfg.invent:
         convs, num_samples = [], 1

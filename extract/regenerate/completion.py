@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from cache_format.conversations import BadRecord, jsonl_records
+from chat.conversations import BadRecord, jsonl_records
 from extract.regenerate.dedup import out_options, write_prompts
 
 __all__ = ["completion_prompt", "completion_prompts", "wrap_completion"]
@@ -35,7 +35,7 @@ _ASK = re.compile(r"^(?:please\s+)?(?:write|implement|create|make)\s+an?\s+(?:py
 
 
 def wrap_completion(code: str) -> str:
-    """A completion prompt as the evaluation words HumanEval's (cache_format.prompts)."""
+    """A completion prompt as the evaluation words HumanEval's (chat.prompts)."""
     return f"Complete the following Python function.\n\n```python\n{code}```"
 
 

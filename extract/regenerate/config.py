@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from cache_format.conversations import TURNS
+from chat.conversations import TURNS
 
 __all__ = ["ENGINES", "RegenConfig", "parse_template_kwargs"]
 

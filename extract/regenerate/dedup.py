@@ -74,8 +74,8 @@ def near_duplicates(texts: Sequence[str], *, threshold: float = 0.7, reference: 
 
 def _first_users(path: Path) -> list[str]:
     """The first user message of each conversation of a prompts file ("" where there is none); a bad
-    line stops with cache_format.conversations' one-line error naming file and line."""
-    from cache_format.conversations import BadRecord, read_conversations
+    line stops with chat.conversations' one-line error naming file and line."""
+    from chat.conversations import BadRecord, read_conversations
 
     try:
         return [next((m["content"] for m in msgs if m["role"] == "user"), "")
@@ -110,7 +110,7 @@ def write_prompts(texts: Sequence[str], out: Path, limit: int = 0) -> tuple[int,
     """A prompts file (one user turn a line, written whole) of `texts` less their near-duplicates and
     echoes of any evaluation prompt, the first `limit` kept (0: all). Returns (kept, dropped)."""
     from cache_format.layout import atomic_write_bytes
-    from cache_format.prompts import heldout_user_texts
+    from chat.prompts import heldout_user_texts
 
     drop = set(near_duplicates(texts, reference=heldout_user_texts()))
     kept = [t for k, t in enumerate(texts) if k not in drop][: limit or None]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from cache_format.conversations import BadRecord, jsonl_records
+from chat.conversations import BadRecord, jsonl_records
 
 __all__ = ["cut_conversation", "loop_start"]
 

@@ -92,7 +92,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, long_tokens: int = LO
         raise ValueError(f"--recipe-long-tokens {long_tokens}: must be >= 0 (0: no long answers)")
     import torch
 
-    from cache_format.prompts import train_prompts
+    from chat.prompts import train_prompts
     from target.loader import load_target
 
     d = Path(out_dir)
@@ -158,7 +158,7 @@ def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: 
     of the held-out prompts and of the packaged ones dropped; each domain's prompts written (shard 0,
     or whichever finds the file missing), the last `long_share` of them to DOM_long_prompts.jsonl.
     Returns the counts per domain."""
-    from cache_format.prompts import heldout_user_texts
+    from chat.prompts import heldout_user_texts
     from extract.regenerate.dedup import near_duplicates
 
     i, n = shard

@@ -11,7 +11,7 @@ Turn t of every conversation is generated in one round, so a batch engine keeps 
 Until a conversation's last turn is done its answers so far are kept in OUT.turns.jsonl (one line
 per answered turn, fsync'd with the output), so a killed run resumes each conversation at its next
 turn; a finished conversation is one record of OUT, as a one-turn conversation always was. The
-turns themselves (segments, history) are cache_format.conversations': evaluation walks them too.
+turns themselves (segments, history) are chat.conversations': evaluation walks them too.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_invalid_utf8_is_one_named_bad_record(tmp_path):
 def test_a_gzipped_file_reads_as_the_plain_one_and_a_damaged_one_is_named(tmp_path):
     import gzip
 
-    from cache_format.conversations import jsonl_records
+    from chat.conversations import jsonl_records
 
     plain = _write(tmp_path, [GOOD, "", GOOD.replace("\"b\"", "\"c\"")])
     packed = tmp_path / "d.jsonl.gz"

@@ -45,8 +45,8 @@ def test_taps_equal_output_hidden_states(tmp_path, arch, chats):
 
 
 def test_prompt_keys_group_responses_to_one_prompt(tmp_path, llama):
-    from cache_format.conversations import prompt_key
     from cache_format.layout import PROMPTS_FILE
+    from chat.conversations import prompt_key
 
     src = [json.loads(x) for x in Path(write_chats(tmp_path / "c.jsonl", 6)).read_text().splitlines()]
     # three responses to each prompt, as regenerated data has

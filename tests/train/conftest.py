@@ -21,7 +21,7 @@ def _store_of_greedy_outputs(target_dir: str, prompts: str, store: str, new_toke
     target generates and no drafter could be accepted.
     """
     from cache_format import DatasetInfo, Manifest, ShardWriter, create_store, finalize_store, write_frozen
-    from cache_format.conversations import read_conversations
+    from chat.conversations import read_conversations
     from target.loader import capture, frozen_parts, load_target
     from train.spec_decode import target_generate
 

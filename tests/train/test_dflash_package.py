@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_format.conversations import read_conversations
+from chat.conversations import read_conversations
 from target.loader import chat_ids, load_target
 from train.export import export_run
 from train.spec_decode import target_generate

@@ -202,7 +202,7 @@ def test_a_draft_vocabulary_drafter_decodes_losslessly_as_trained_and_as_served(
 
 
 def test_multiturn_held_out_chats_are_measured_on_their_second_turn(trained):
-    from cache_format.prompts import heldout_multiturn
+    from chat.prompts import heldout_multiturn
 
     chats = heldout_multiturn()
     assert len(chats) >= 20 and all([m["role"] for m in c] == ["user", "user"] for _, c in chats)

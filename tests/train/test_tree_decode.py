@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train.modeling_dflash as served_module
-from cache_format.conversations import read_conversations
+from chat.conversations import read_conversations
 from target.loader import chat_ids, load_target
 from train.checkpoint import latest_checkpoint, load_checkpoint
 from train.export import hf_drafter

@@ -77,7 +77,7 @@ def test_a_val_store_that_does_not_fit_the_training_store_is_one_line(stores, tm
 
 def test_a_val_store_of_the_evaluations_prompts_is_scored_per_domain(stores, tmp_path):
     from cache_format import StoreReader
-    from cache_format.prompts import validation_prompts
+    from chat.prompts import validation_prompts
     from train.start import domain_groups
 
     target, store, _, _ = stores

@@ -98,7 +98,7 @@ def test_default_data_is_keyed_by_what_decides_it(tmp_path):
 
 
 def test_segments_and_history_keep_system_messages_and_drop_assistant_turns():
-    from cache_format.conversations import history, segments
+    from chat.conversations import history, segments
 
     conv = [{"role": "system", "content": "S"}, {"role": "user", "content": "U1"}, {"role": "assistant", "content": "A1"},
             {"role": "system", "content": "note"}, {"role": "user", "content": "U2"},
@@ -115,7 +115,7 @@ def test_every_turn_equals_hf_generate_after_the_regenerated_history(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cache_format.conversations import history, segments
+    from chat.conversations import history, segments
     from target.loader import chat_ids, eos_ids
 
     target = tiny_target_dir(tmp_path / "t", "llama")
@@ -244,7 +244,7 @@ def test_an_empty_prompt_file_is_an_error_not_zero_written(tmp_path):
 
 def test_answers_that_repeat_themselves_are_counted(tmp_path, capsys):
     """The closing line and the summary count the written answers that loop (extract.regenerate.loops)."""
-    from cache_format.conversations import segments
+    from chat.conversations import segments
     from extract.regenerate.answers import _write
     from extract.regenerate.config import RegenConfig
     from extract.regenerate.turns import TurnLog, conversation_key

@@ -46,7 +46,7 @@ def test_the_cli_drops_empty_repeated_and_held_out_prompts_and_names_a_bad_line(
     import sys
     from pathlib import Path
 
-    from cache_format.prompts import heldout_user_texts
+    from chat.prompts import heldout_user_texts
 
     held = heldout_user_texts()[-1]  # the second turn of a two-turn held-out chat counts too
     users = ["How can I keep my basil plant alive indoors?", "  ", "how can I keep my basil plant alive indoors",

@@ -37,7 +37,7 @@ def _lines(path):
 
 
 def test_recipe_one_process_equals_two_shards_and_resumes(tmp_path, capsys):
-    from cache_format.prompts import heldout_prompts
+    from chat.prompts import heldout_prompts
 
     target = tiny_target_dir(tmp_path / "t", "llama")
     _in_process(capsys, tmp_path / "one", target)

@@ -1,6 +1,6 @@
-"""cache_format.conversations: the prompt key a store holds for each sample."""
+"""chat.conversations: the prompt key a store holds for each sample."""
 
-from cache_format.conversations import prompt_key
+from chat.conversations import prompt_key
 
 
 def test_prompt_key_is_the_prompt_not_the_answer():

@@ -1,5 +1,5 @@
 """The packaged held-out prompts split into the evaluation's test (the first 16 of each domain) and
-a validation set that shares none of them; `python -m cache_format prompts` writes either."""
+a validation set that shares none of them; `python -m chat prompts` writes either."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections import Counter
 
 from click.testing import CliRunner
 
-from cache_format.__main__ import cli
-from cache_format.conversations import prompt_key, read_conversations
-from cache_format.prompts import (
+from chat.__main__ import cli
+from chat.conversations import prompt_key, read_conversations
+from chat.prompts import (
     TEST_PER_DOMAIN,
     domain_of,
     evaluation_prompts,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from cache_format.conversations import jsonl_records, prompt_key
+from chat.conversations import jsonl_records, prompt_key
 
 __all__ = ["DOMAINS", "HELDOUT_GSM8K", "TEST_PER_DOMAIN", "domain_of", "heldout_domains", "heldout_multiturn", "heldout_prompts",
            "heldout_user_texts", "evaluation_prompts", "train_prompts", "validation_prompts"]
@@ -96,7 +96,7 @@ def validation_prompts(per_domain: int = 0) -> list[tuple[str, list[dict]]]:
 
 
 def heldout_domains(keys) -> list[str]:
-    """The domain (DOMAINS) of each prompt key (cache_format.conversations.prompt_key, what a store
+    """The domain (DOMAINS) of each prompt key (chat.conversations.prompt_key, what a store
     holds per sample) that is a single-turn held-out prompt's, "" for any other: which answers of a
     validation store (`prompts validation`, answered and extracted) are math, code and chat."""
     known = {prompt_key(m): domain_of(name) for name, m in heldout_prompts()}
