@@ -16,8 +16,8 @@ import sys
 
 import click
 
-from cache_format.cli import config_command
 from extract.config import ExtractConfig
+from runtime.cli import config_command
 
 
 @config_command(ExtractConfig, extra=(click.Option(["--json", "as_json"], is_flag=True,

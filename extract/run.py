@@ -35,13 +35,13 @@ from cache_format.lock import StoreLock
 from cache_format.mirror import writing_to
 from cache_format.remote import default_local, is_url
 from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
-from cache_format.world import World
 from extract.config import ExtractConfig
 from extract.data import BadRecord, Rendered, read_conversations, render_many
 from extract.pipeline import compile_decoder, ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
+from runtime.world import World
 from target.loader import frozen_parts, load_target, mask_token_of
 
 __all__ = ["run"]

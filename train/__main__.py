@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from cache_format.cli import config_command
+from runtime.cli import config_command
 from train.config import TrainConfig
 
 

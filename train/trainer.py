@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from cache_format.cli import to_toml
 from cache_format.lock import StoreLock
-from cache_format.world import World
+from runtime.cli import to_toml
+from runtime.world import World
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint, set_aside_after
 from train.config import TrainConfig
 from train.data import BatchDataset, CollateSettings, holdout_mask, node_shares, plan_epoch, replay_dataset, to_device

@@ -7,9 +7,9 @@ import sys
 
 import click
 
-from cache_format.cli import config_command
 from extract.regenerate.answers import regenerate
 from extract.regenerate.config import RegenConfig
+from runtime.cli import config_command
 
 
 @config_command(RegenConfig, seps={"shard": "/"}, extra=(

@@ -11,8 +11,8 @@ import torch
 
 from cache_format import CacheFormatError, ManifestMismatchError, StoreReader
 from cache_format.inspect import verify_store
-from cache_format.world import World
 from extract.run import run
+from runtime.world import World
 from tests.helpers import assert_same_content, content, extract_cfg, tiny_target_dir, write_chats
 
 

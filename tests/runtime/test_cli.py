@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cache_format.cli import field_docs, load_config_file, to_toml
 from extract.__main__ import main as extract_main
 from extract.config import ExtractConfig
 from extract.regenerate.__main__ import main as regen_main
 from extract.regenerate.config import RegenConfig
+from runtime.cli import field_docs, load_config_file, to_toml
 from train.__main__ import main as train_main
 from train.config import TrainConfig
 
