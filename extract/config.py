@@ -8,6 +8,7 @@ from typing import Any
 
 from cache_format.schema import DTYPES
 from extract.regenerate.config import parse_template_kwargs
+from runtime.numbers import check_numbers
 
 __all__ = ["ExtractConfig"]
 
@@ -83,6 +84,7 @@ class ExtractConfig:
         return parse_template_kwargs(self.chat_template_kwargs)
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         if not self.store:
             raise ValueError("store path is required")
         if not self.lease_ttl > 0:

@@ -16,6 +16,9 @@ def dflash_layer_ids(num_layers: int, num_taps: int) -> list[int]:
         return [num_layers // 2]
     if num_layers < 4:
         raise ValueError(f"the DFlash tap rule needs >= 4 layers, target has {num_layers}; pass --layers")
+    if num_taps > num_layers - 3:  # the taps span layers 1..N-3: more taps than that would repeat one
+        raise ValueError(f"--num-taps {num_taps}: the DFlash tap rule spreads taps over layers 1..{num_layers - 3} of "
+                         f"this {num_layers}-layer target, so at most {num_layers - 3}; pass fewer or --layers")
     return [int(round(1 + i * (num_layers - 4) / (num_taps - 1))) for i in range(num_taps)]
 
 

@@ -10,6 +10,7 @@ Options come from TrainConfig (train/config.py), one per field.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -32,6 +33,11 @@ def main(cfg: TrainConfig) -> None:
     stop = f" (stopped: {res['patience']} evaluations without a new best)" if res["stopped_early"] else ""
     if res["stopped_by_time"]:
         stop = f" (stopped by --time-limit {cfg.time_limit:g} s: rerun with --resume to continue)"
+    if res["stopped_by_signal"]:
+        name = signal.Signals(res["stopped_by_signal"]).name
+        click.echo(f"trained {res['steps']} steps into {res['run']} (stopped by {name}, checkpoint saved: rerun with "
+                   "--resume to continue)")
+        sys.exit(128 + res["stopped_by_signal"])  # the shell's code for that signal: a scheduler requeues it
     click.echo(f"trained {res['steps']} steps into {res['run']}{stop}")
 
 

@@ -7,6 +7,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.numbers import check_numbers
+
 __all__ = ["TrainConfig"]
 
 
@@ -170,6 +172,7 @@ class TrainConfig:
     step still draws from every share. One node: no effect. Not with follow (the shares would move)."""
 
     def __post_init__(self) -> None:
+        check_numbers(self, negative_ok=("mask_token_id",))
         if not self.store or not self.out:
             raise ValueError("store and out are required")
         if any(layer < 0 for layer in self.layers) or len(set(self.layers)) != len(self.layers):

@@ -134,6 +134,8 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
     if not run and not export:
         raise ValueError("give --run (a training run), --export (an exported directory) or both")
     budgets = tree_budgets(tree_budget)
+    if limit < 0 or max_new_tokens < 1:
+        raise ValueError(f"--limit must be >= 0 (0: all) and --max-new-tokens >= 1, got {limit} and {max_new_tokens}")
     if tree_width < 0:
         raise ValueError(f"--tree-width {tree_width}: must be >= 0")
     drafters, state, ck = _drafters(run, checkpoint, export, whole_head)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["TrainState", "any_rank_past"]
+__all__ = ["Preemption", "TrainState", "any_rank", "any_rank_past", "ignore_stop_signals"]
 
-STOPS = ("", "steps", "time limit", "patience")
+STOPS = ("", "steps", "time limit", "patience", "signal")
 
 
 @dataclass
@@ -18,7 +21,8 @@ class TrainState:
     """Steps done, the position to go on from, and why the run stops ("" while it goes on).
 
     A checkpoint saves (epoch, in_epoch): a resumed run starts that epoch at that step. The stop
-    reason is set by the loop (its last step, --time-limit, --patience) and read by `fit`'s summary;
+    reason is set by the loop (its last step, --time-limit, --patience, SIGTERM or SIGINT) and read by
+    `fit`'s summary;
     the learning-rate schedule's length never changes with it.
     """
 
@@ -35,9 +39,50 @@ class TrainState:
         self.stop = self.stop or reason  # the first reason is the one reported
 
 
+def any_rank(flag: bool, device: torch.device, world: int) -> bool:
+    """Whether `flag` holds on any rank (every rank calls this at the same step, so all stop alike)."""
+    t = torch.tensor([float(flag)], device=device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def any_rank_past(deadline: float, device: torch.device, world: int) -> bool:
     """Whether any rank is past `deadline` (time.time()): every rank must stop at the same step."""
-    late = torch.tensor([float(time.time() > deadline)], device=device)
-    if world > 1:
-        dist.all_reduce(late, op=dist.ReduceOp.MAX)
-    return bool(late.item())
+    return any_rank(time.time() > deadline, device, world)
+
+
+class Preemption:
+    """SIGTERM and SIGINT noted instead of killing the process, while the context is open: the loop
+    stops at its next log step and saves a checkpoint (schedulers preempt with SIGTERM). A second
+    signal of either kind ends the process at once, as the default would."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, object] = {}
+
+    def _note(self, signum: int, _frame) -> None:
+        if self.signum is not None:  # asked twice: go now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():  # elsewhere Python sends no signals
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+
+def ignore_stop_signals(_worker_id: int) -> None:
+    """A DataLoader worker's init: SIGTERM and SIGINT sent to the whole process group are the main
+    process's to act on (it stops at a step boundary and shuts its workers down); a worker that died
+    of them first would fail the step."""
+    for s in Preemption.SIGNALS:
+        signal.signal(s, signal.SIG_IGN)

@@ -42,7 +42,7 @@ from train.start import (
     open_val_store,
     run_record,
 )
-from train.state import TrainState, any_rank_past
+from train.state import Preemption, TrainState, any_rank, any_rank_past, ignore_stop_signals
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
@@ -62,8 +62,9 @@ class Trainer:
     held-out `validate()`s and `save()`d checkpoints on their schedules.
     """
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, preempt: Preemption | None = None) -> None:
         self.cfg, self.t_start = cfg, time.time()
+        self.preempt = preempt or Preemption()  # one not entered never notes a signal
         world = World.from_env()
         self.rank, self.world, self.local_world = world.rank, world.world_size, world.local_world_size
         self.device = world.join()
@@ -94,7 +95,8 @@ class Trainer:
                                        num_anchors=cfg.num_anchors, block_size=cfg.block_size,
                                        mask_token_id=self.dc.mask_token_id, with_last_hidden=cfg.effective_kl_weight > 0)
         self.view = self._first_view()
-        self.total = cfg.max_steps or max(1, self._steps_per_epoch() * cfg.epochs)
+        per_epoch = self._steps_per_epoch()  # refuses a store too small for one step, with --max-steps too
+        self.total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
         self.state = TrainState()
         self.resume()
@@ -185,7 +187,8 @@ class Trainer:
                           verify_shards=cfg.check_shards, verified_dir=self.verified_dir)
         dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,
                                          pin_memory=self.device.type == "cuda",
-                                         prefetch_factor=4 if cfg.workers else None, persistent_workers=False)
+                                         prefetch_factor=4 if cfg.workers else None, persistent_workers=False,
+                                         worker_init_fn=ignore_stop_signals if cfg.workers else None)
         return steps, iter(dl)
 
     def _holdout_set(self) -> tuple[BatchDataset | None, dict[str, torch.Tensor]]:
@@ -346,6 +349,8 @@ class Trainer:
                 if cfg.time_limit and self.step < self.total and any_rank_past(self.t_start + cfg.time_limit,
                                                                                self.device, self.world):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
+                if any_rank(self.preempt.signum is not None, self.device, self.world):
+                    self.state.stopping("signal")  # SIGTERM or SIGINT: the closing checkpoint is this step's
             self.state.epoch, self.state.in_epoch = epoch, s_idx + 1
             t_pause = time.time()
             if self.val_ds is not None and self.step % cfg.val_every == 0:
@@ -392,7 +397,8 @@ class Trainer:
             plot_metrics(cfg.out)
         return {"steps": self.step, "run": cfg.out, "samples_last_epoch": len(self.reader),
                 "finalized": self.reader.finalized, "stopped_early": self.state.stop == "patience",
-                "patience": cfg.patience, "stopped_by_time": self.state.stop == "time limit"}
+                "patience": cfg.patience, "stopped_by_time": self.state.stop == "time limit",
+                "stopped_by_signal": self.preempt.signum if self.state.stop == "signal" else 0}
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -400,5 +406,5 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     RUN.lock for the run's life: a second run into the same --out is refused at once, naming the first."""
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     lock = StoreLock(cfg.out, what="run directory") if World.from_env().rank == 0 else contextlib.nullcontext()
-    with lock:
-        return Trainer(cfg).fit()
+    with lock, Preemption() as preempt:
+        return Trainer(cfg, preempt).fit()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chat.conversations import TURNS
+from runtime.numbers import check_numbers
 
 __all__ = ["ENGINES", "RegenConfig", "parse_template_kwargs"]
 
@@ -81,6 +82,7 @@ class RegenConfig:
     """Static engine: decode steps between checks for finished rows."""
 
     def __post_init__(self) -> None:
+        check_numbers(self)
         if not self.out:
             raise ValueError("--out is required")
         if self.turns not in TURNS:

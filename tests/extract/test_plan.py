@@ -71,3 +71,12 @@ def test_generation_jobs_shortest_prompts_first_and_padding_falls():
 
     prompt_order = [(i, k) for i in range(300) for k in range(3)]
     assert padding(jobs) < 0.2 * padding(prompt_order)
+
+
+def test_tap_counts_the_target_can_hold_are_distinct_and_more_are_refused_in_one_line():
+    for n in range(4, 41):
+        for k in range(2, n - 2):
+            ids = dflash_layer_ids(n, k)
+            assert len(set(ids)) == k and min(ids) >= 1 and max(ids) <= n - 3, (n, k)
+        with pytest.raises(ValueError, match=f"--num-taps {n - 2}: .* at most {n - 3}"):
+            dflash_layer_ids(n, n - 2)

@@ -117,6 +117,15 @@ def test_a_budget_curve_decodes_every_budget_losslessly_against_one_baseline(tra
     assert single["tau"] == curve["16"]["tau"] and "tree_curve" not in single
 
 
+@pytest.mark.parametrize("flag,value", [("--limit", "-1"), ("--max-new-tokens", "0")])
+def test_a_bad_limit_is_refused_in_one_line_before_anything_is_written(trained, flag, value):
+    _, prompts, run = trained
+    before = sorted(p.name for p in Path(run).iterdir())
+    out = CliRunner().invoke(eval_main, ["--run", run, "--prompts", prompts, flag, value])
+    assert out.exit_code == 2 and flag in out.output and "Traceback" not in out.output, out.output
+    assert sorted(p.name for p in Path(run).iterdir()) == before
+
+
 @pytest.mark.parametrize("bad", ["-1", "4,4", "x", ""])
 def test_a_bad_tree_budget_is_refused_in_one_line(trained, bad):
     _, prompts, run = trained

@@ -80,6 +80,9 @@ def test_refusals(store, tmp_path):
     # too few micro-batches for one step: refused, not "trained 0 steps"
     with pytest.raises(ValueError, match="fewer micro-batches of --token-budget"):
         train(train_cfg(store, tmp_path / "d", grad_accum=10_000))
+    with pytest.raises(ValueError, match="fewer micro-batches of --token-budget"):  # --max-steps skips no check
+        train(train_cfg(store, tmp_path / "d2", grad_accum=10_000, max_steps=5))
+    assert not (tmp_path / "d2" / "checkpoints").exists() or not any((tmp_path / "d2" / "checkpoints").iterdir())
     # an unfinalized store is refused without --follow
     meta = Path(store) / "zarr.json"
     doc = json.loads(meta.read_text())
