@@ -142,7 +142,7 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
 
 def _run_to_url(cfg: ExtractConfig, world: World) -> dict:
     """A store on object storage: written locally in the stage directory as always, mirrored up by
-    rank 0 (cache_format.remote.writing_to: lease, resume from the server, commit-ordered pushes).
+    rank 0 (cache_format.mirror.writing_to: lease, resume from the server, commit-ordered pushes).
     The other ranks write into the same stage directory: one node."""
     stage = Path(cfg.stage_dir) if cfg.stage_dir else default_local(cfg.store)
     local = dataclasses.replace(cfg, store=str(stage), stage_dir="")
