@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
+from cache_format.audit import inspect_store, sample_norms, verify_store
 from cache_format.errors import CacheFormatError, brief
-from cache_format.inspect import inspect_store, sample_norms, verify_store
 
 
 def _fail(e: Exception) -> None:

@@ -152,7 +152,7 @@ def _run_to_url(cfg: ExtractConfig, world: World) -> dict:
         summary = run(local, world=world)
     if not summary:
         return summary
-    from cache_format.inspect import inspect_store
+    from cache_format.audit import inspect_store
 
     info = inspect_store(cfg.store)  # the stage no longer holds the complete shards: the server's figures
     return {**summary, "store": cfg.store, "stage_dir": str(stage), "bytes_per_token": info["bytes_per_token"],
@@ -198,7 +198,7 @@ def _finalize(cfg: ExtractConfig, world: World, manifest: Manifest, mine_stats: 
         for s in stats:
             skipped.update(s["nonfinite"])
         state = finalize_store(cfg.store, manifest)
-        from cache_format.inspect import inspect_store
+        from cache_format.audit import inspect_store
 
         info = inspect_store(cfg.store)
         summary = {

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cache_format.audit import verify_store
 from cache_format.checksums import CHECKSUMS_FILE, covered_files
-from cache_format.inspect import verify_store
 from cache_format.reader import StoreReader
 from extract.config import ExtractConfig
 from extract.run import run as extract

@@ -18,7 +18,7 @@ from cache_format import (
     create_store,
     finalize_store,
 )
-from cache_format.inspect import verify_store
+from cache_format.audit import verify_store
 from tests.cache_format import workers
 from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
 
@@ -61,7 +61,7 @@ def test_mxfp4_store_round_trip_bytes_and_error(tmp_path):
     # 4-bit values, a power-of-two scale s per 32 with amax / s in (3, 6]: |err| <= half the widest
     # e2m1 step (4 to 6), s < amax / 3; the store records the error, verify passes
     from cache_format import TargetInfo
-    from cache_format.inspect import inspect_store
+    from cache_format.audit import inspect_store
 
     target = TargetInfo(name="tiny", sha256="0" * 64, num_layers=4, hidden_size=64, vocab_size=100)
     m = make_manifest(dtype="mxfp4", target=target)
@@ -97,7 +97,7 @@ def test_fp8_error_bound_and_recorded(tmp_path):
         amax = x.abs().amax(-1, keepdim=True)
         assert ((g - x).abs() <= x.abs() * 2**-4 + amax * 2**-9 + 1e-6).all()
         worst = max(worst, float((g - x).norm() / x.norm()))
-    from cache_format.inspect import inspect_store
+    from cache_format.audit import inspect_store
 
     rec = inspect_store(path)["quant_relative_rms_error"]
     assert 0 < rec < 0.05 and rec <= worst * 1.5

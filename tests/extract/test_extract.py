@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cache_format import CacheFormatError, ManifestMismatchError, StoreReader
-from cache_format.inspect import verify_store
+from cache_format.audit import verify_store
 from extract.run import run
 from runtime.world import World
 from tests.helpers import assert_same_content, content, extract_cfg, tiny_target_dir, write_chats
@@ -60,7 +60,7 @@ def test_prompt_keys_group_responses_to_one_prompt(tmp_path, llama):
     keys = dict(zip(r.sample_ids.tolist(), r.prompt_keys().tolist()))
     assert keys == {i: prompt_key(rows[i]["messages"]) for i in range(len(rows))}
     assert len(set(keys.values())) == 6
-    from cache_format.inspect import inspect_store
+    from cache_format.audit import inspect_store
 
     assert inspect_store(store)["num_prompts"] == 6
     from cache_format import write_prompt_keys
@@ -240,8 +240,8 @@ def test_gpu_quantizing_beside_the_forward_gives_the_host_codec_bits(tmp_path, l
 def test_quantized_in_the_pipeline_equals_host_quantization(tmp_path, llama, chats, writer, dtype):
     # stage one quantizes on the device; the bits must be those the host codec makes from the
     # same bf16 states, and the error recorded for inspect must be the host's too
+    from cache_format.audit import inspect_store
     from cache_format.codec import QuantRows, dequantize
-    from cache_format.inspect import inspect_store
 
     run(extract_cfg(tmp_path / "bf16.zarr", llama, chats))
     run(extract_cfg(tmp_path / "fp8.zarr", llama, chats, dtype=dtype, writer=writer, writers=2))

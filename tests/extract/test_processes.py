@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cache_format import StoreReader
-from cache_format.inspect import verify_store
+from cache_format.audit import verify_store
 from extract.run import run
 from tests.helpers import assert_same_content, content, extract_cfg, write_chats
 
