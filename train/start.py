@@ -26,8 +26,9 @@ from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
-__all__ = ["BEST_BY", "best_by", "best_state", "build_drafter", "check_resume", "domain_groups", "draft_vocab_of", "drafter_config",
-           "initial_weights", "loss_settings", "open_store", "open_val_store", "run_record", "target_layer_weights"]
+__all__ = ["BEST_BY", "best_by", "best_state", "build_drafter", "check_resume", "check_same_vocab", "domain_groups",
+           "draft_vocab_of", "drafter_config", "initial_weights", "loss_settings", "open_store", "open_val_store",
+           "run_record", "start_from_weights", "target_layer_weights"]
 
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
 # not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
@@ -87,6 +88,31 @@ def initial_weights(cfg: TrainConfig, dc: DrafterConfig, layer_ids: list[int],
     if cfg.init_from:
         return f"--init-from {cfg.init_from}", start_weights(cfg.init_from, dc, layer_ids)
     return f"--init-layers {list(cfg.init_layers)}", target_layer_weights(reader.kept_layers(), cfg.init_layers, cfg.store)
+
+
+def check_same_vocab(model: DFlashDrafter, weights: dict[str, torch.Tensor], what: str, store: str) -> None:
+    """Loaded weights must draft from this run's draft vocabulary: its lm_head rows were taken by it."""
+    mine = getattr(model, "draft_ids", None)
+    theirs = weights.get("draft_ids")
+    if mine is not None and theirs is not None and not torch.equal(theirs.to(mine.device), mine):
+        raise ValueError(f"{what}: its draft vocabulary is not the one this run counts from {store} "
+                         "(other training data); start without it, or train from the store it was trained on")
+
+
+def start_from_weights(model: DFlashDrafter, cfg: TrainConfig, dc: DrafterConfig, layer_ids: list[int],
+                       reader: StoreReader) -> None:
+    """Load what a fresh run starts from (--init-from or --init-layers: initial_weights) into `model`,
+    refusing weights of another shape or vocabulary, and an export that lacks a trainable tensor."""
+    what, weights = initial_weights(cfg, dc, layer_ids, reader)
+    check_same_vocab(model, weights, what, cfg.store)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as e:  # a shape that differs (another intermediate size, head layout)
+        raise ValueError(f"{what}: the weights do not fit this drafter ({str(e).splitlines()[-1].strip()})") from None
+    params = {n for n, _ in model.named_parameters()}  # an export leaves out only frozen buffers
+    if unexpected or (cfg.init_from and params & set(missing)):
+        raise ValueError(f"{what}: weights missing {sorted(params & set(missing))[:3]} "
+                         f"or unknown {sorted(unexpected)[:3]}")
 
 
 def draft_vocab_of(n: int, reader: StoreReader, held: np.ndarray | None, vocab_size: int, *,

@@ -33,14 +33,15 @@ from train.start import (
     best_state,
     build_drafter,
     check_resume,
+    check_same_vocab,
     domain_groups,
     draft_vocab_of,
     drafter_config,
-    initial_weights,
     loss_settings,
     open_store,
     open_val_store,
     run_record,
+    start_from_weights,
 )
 from train.state import Preemption, TrainState, any_rank, any_rank_past, ignore_stop_signals
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
@@ -48,10 +49,9 @@ from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda,
 __all__ = ["Trainer", "train"]
 
 
-# Steps before an epoch's end at which the next epoch's DataLoader workers start. Fresh workers need
-# seconds for their first batch: at every epoch start the GPU waited (8-20% of a 20-step log row in
-# the real-target runs), and with the workers started 2 steps early still up to 26% (SmolLM2 shape,
-# 8 steps/s) and 9.9% (8B shape, DDP). Memory: one more set of workers' prefetched batches meanwhile.
+# Steps before an epoch's end at which the next epoch's DataLoader workers start: fresh workers need
+# seconds for their first batch, which the GPU would otherwise wait for at every epoch start. The
+# cost is one more set of workers' prefetched batches in memory meanwhile.
 AHEAD_STEPS = 8
 
 
@@ -68,8 +68,7 @@ class Trainer:
         world = World.from_env()
         self.rank, self.world, self.local_world = world.rank, world.world_size, world.local_world_size
         self.device = world.join()
-        # batch copies on a side stream overlap the step: in three runs of `python -m bench train` that
-        # alternate both copy paths 98.6/98.5/99.6% of in-memory vs 95.9/98.3/99.2% on the compute stream
+        # batch copies on a side stream overlap the step (docs/BENCHMARKS.md: the copy paths side by side)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(cfg.seed)
 
@@ -292,7 +291,7 @@ class Trainer:
                 raise ValueError(f"cannot resume {cfg.out}: its learning-rate schedule spans {saved.get('total_steps')} "
                                  f"steps, these options make it {self.total} (--max-steps or --epochs changed); resume "
                                  "with the same, or go on in a new run with --init-from an export of this one")
-            self._same_vocab(weights, str(ck))
+            check_same_vocab(self.model, weights, str(ck), cfg.store)
             try:  # strict: a checkpoint missing a tensor would leave it at its random init
                 self.model.load_state_dict(weights, strict=True)
             except RuntimeError as e:
@@ -306,26 +305,9 @@ class Trainer:
                 if self.world > 1:
                     dist.barrier()
         elif cfg.init_from or cfg.init_layers:
-            what, weights = initial_weights(cfg, self.dc, self.layer_ids, self.reader)
-            self._same_vocab(weights, what)
-            try:
-                missing, unexpected = self.model.load_state_dict(weights, strict=False)
-            except RuntimeError as e:  # a shape that differs (another intermediate size, head layout)
-                raise ValueError(f"{what}: the weights do not fit this drafter ({str(e).splitlines()[-1].strip()})") from None
-            params = {n for n, _ in self.model.named_parameters()}  # an export leaves out only frozen buffers
-            if unexpected or (cfg.init_from and params & set(missing)):
-                raise ValueError(f"{what}: weights missing {sorted(params & set(missing))[:3]} "
-                                 f"or unknown {sorted(unexpected)[:3]}")
+            start_from_weights(self.model, cfg, self.dc, self.layer_ids, self.reader)
         if self.rank == 0:
             trim_metrics(cfg.out, self.step)  # rows a killed run logged after its last checkpoint are redone
-
-    def _same_vocab(self, weights: dict[str, torch.Tensor], what: str) -> None:
-        """Loaded weights must draft from this run's draft vocabulary: its lm_head rows were taken by it."""
-        mine = getattr(self.model, "draft_ids", None)
-        theirs = weights.get("draft_ids")
-        if mine is not None and theirs is not None and not torch.equal(theirs.to(mine.device), mine):
-            raise ValueError(f"{what}: its draft vocabulary is not the one this run counts from {self.cfg.store} "
-                             "(other training data); start without it, or train from the store it was trained on")
 
     # ------------------------------------------------------------------ the loop
     def _start_next_epoch_early(self, epoch: int, s_idx: int, first: int, n_steps: int) -> bool:
