@@ -54,12 +54,40 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
     cfg = cfg or RegenConfig(**kw)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     with StoreLock(cfg.out, what="regeneration output"):  # two runs appending to one file would interleave
+        _check_recorded_options(cfg)
         res = _regenerate(cfg, loaded)
     # what made the output, beside it: extraction refuses to render it with other template options
     summary = {"chat_template_kwargs": cfg.template_kwargs, "turns": cfg.turns, "config": cfg.to_dict(),
                "last_run": dataclasses.asdict(res)}
     atomic_write_bytes(Path(cfg.out + ".summary.json"), json.dumps(summary, indent=1).encode())
     return res
+
+
+# options a rerun may change: how the work is scheduled and sent, not what the output holds
+RERUN_FREE = ("out", "limit", "batch_size", "shard", "base_url", "concurrency", "request_timeout", "retries",
+              "sync_every")
+
+
+def _check_recorded_options(cfg: RegenConfig) -> None:
+    """A rerun into an output that records its options (OUT.summary.json) must use the same ones: its
+    records would otherwise mix two option sets, and the summary (which extraction checks) would name
+    only the last. One line naming the first differences."""
+    path = Path(cfg.out + ".summary.json")
+    if not (path.exists() and Path(cfg.out).exists()):
+        return
+    try:
+        recorded = json.loads(path.read_text())["config"]
+        if not isinstance(recorded, dict):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{path}: not the summary regeneration writes (damaged?); move it and {cfg.out} "
+                         "aside, or write to another --out") from None
+    now = cfg.to_dict()
+    diffs = [f"{k.replace('_', '-')} {recorded[k]!r} there, {now[k]!r} now" for k in now
+             if k not in RERUN_FREE and k in recorded and recorded[k] != now[k]]
+    if diffs:
+        raise ValueError(f"{cfg.out} was made with other options ({'; '.join(diffs[:3])}): rerun with the "
+                         "recorded ones to go on, or write to another --out")
 
 
 def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:

@@ -258,3 +258,17 @@ def test_answers_that_repeat_themselves_are_counted(tmp_path, capsys):
     assert (s.written, s.looping) == (2, 1)
     assert "1 answers repeat themselves" in capsys.readouterr().err
     assert [r["messages"][-1]["content"] for r in map(json.loads, out.read_text().splitlines())] == [loop.strip(), "Fine."]
+
+
+def test_a_rerun_with_other_options_is_refused_and_leaves_the_output_as_it_was(tmp_path):
+    target = tiny_target_dir(tmp_path / "t", "llama")
+    out = tmp_path / "o.jsonl"
+    kw = dict(target=target, prompts=write_chats(tmp_path / "p.jsonl", 3), max_new_tokens=6)
+    regenerate(out=str(out), chat_template_kwargs='{"mode": "brief"}', **kw)
+    before = (out.read_bytes(), (tmp_path / "o.jsonl.summary.json").read_bytes())
+    for other in (dict(chat_template_kwargs='{"mode": "long"}'), dict(chat_template_kwargs="", max_new_tokens=7)):
+        with pytest.raises(ValueError, match=r"o.jsonl was made with other options \(chat-template-kwargs"):
+            regenerate(out=str(out), **{**kw, **other})
+    assert (out.read_bytes(), (tmp_path / "o.jsonl.summary.json").read_bytes()) == before
+    # scheduling options may change: a rerun with another batch size goes on (nothing is missing)
+    assert regenerate(out=str(out), chat_template_kwargs='{"mode": "brief"}', batch_size=2, **kw).written == 0
