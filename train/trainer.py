@@ -43,7 +43,7 @@ from train.start import (
     run_record,
     start_from_weights,
 )
-from train.state import Preemption, TrainState, any_rank, any_rank_past, ignore_stop_signals
+from train.state import Preemption, TrainState, any_rank, any_rank_past
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
@@ -187,7 +187,7 @@ class Trainer:
         dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,
                                          pin_memory=self.device.type == "cuda",
                                          prefetch_factor=4 if cfg.workers else None, persistent_workers=False,
-                                         worker_init_fn=ignore_stop_signals if cfg.workers else None)
+                                         worker_init_fn=self.preempt.worker_init if cfg.workers else None)
         return steps, iter(dl)
 
     def _holdout_set(self) -> tuple[BatchDataset | None, dict[str, torch.Tensor]]:
