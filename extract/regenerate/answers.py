@@ -63,9 +63,10 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> Regen
     return res
 
 
-# options a rerun may change: how the work is scheduled and sent, not what the output holds
-RERUN_FREE = ("out", "limit", "batch_size", "shard", "base_url", "concurrency", "request_timeout", "retries",
-              "sync_every")
+# options a rerun may change: how the work is scheduled and sent, not how an answer is made (a grown or
+# reordered prompt file resumes by content: only the prompts not yet answered are)
+RERUN_FREE = ("out", "prompts", "limit", "batch_size", "shard", "base_url", "concurrency", "request_timeout",
+              "retries", "sync_every")
 
 
 def _check_recorded_options(cfg: RegenConfig) -> None:
