@@ -62,6 +62,8 @@ def _parse(line: str, where: str, require_assistant: bool = True) -> list[dict[s
         except UnicodeEncodeError as e:  # JSON can spell a lone UTF-16 surrogate; no tokenizer takes it
             raise BadRecord(f"{where}: message {i} holds a lone surrogate {e.object[e.start]!r} at character "
                             f"{e.start} (not valid Unicode)") from None
+        if role == "user" and not m[key_text].strip():  # answered, it would train the drafter on a reply to nothing
+            raise BadRecord(f"{where}: message {i} is an empty user turn")
         out.append({"role": role, "content": m[key_text]})
     if require_assistant and not any(m["role"] == "assistant" for m in out):
         raise BadRecord(f"{where}: no assistant turn")

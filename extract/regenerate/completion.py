@@ -105,7 +105,13 @@ def _records(path: Path) -> Iterator[dict]:
 @out_options
 def main(data: Path, out: Path, limit: int) -> None:
     """Completion-format code prompts from a recipe's code records."""
-    found = [p for _, p in completion_prompts(_records(data))]
+    records = list(_records(data))
+    found = [p for _, p in completion_prompts(records)]
+    if not found:  # else an empty output and "0 prompts" with exit 0
+        code = sum(r.get("domain") == "code" for r in records)
+        raise click.ClickException(f"{data}: no completion prompt among its {len(records)} records ({code} with "
+                                   "domain \"code\"; a prompt needs a user turn and an answer whose fenced block "
+                                   "holds a plain top-level function)")
     kept, dropped = write_prompts(found, out, limit)
     click.echo(f"{kept} completion prompts into {out} ({len(found)} found, {dropped} near-duplicates dropped)")
 

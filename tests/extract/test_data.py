@@ -88,6 +88,11 @@ GOOD = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assi
     ('{"messages": "hello"}', "d.jsonl:2: 'messages' must be a list of messages, got str"),
     ('{"messages": [{"role": "user", "content": "\\ud800 x"}, {"role": "assistant", "content": "y"}]}',
      "d.jsonl:2: message 0 holds a lone surrogate"),
+    ('{"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]}',
+     "d.jsonl:2: message 0 is an empty user turn"),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, '
+     '{"role": "user", "content": " \\n "}, {"role": "assistant", "content": "c"}]}',
+     "d.jsonl:2: message 2 is an empty user turn"),
 ])
 def test_bad_records_name_file_and_line(tmp_path, line, msg):
     p = _write(tmp_path, [GOOD, line, GOOD])

@@ -94,3 +94,8 @@ def test_the_cli_writes_prompts_and_names_a_bad_line(tmp_path):
     p = run(bad)
     errors = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode != 0 and len(errors) == 1 and f"{bad}:2: malformed JSON" in errors[0]
+    none = tmp_path / "none.jsonl"  # records that parse but give no prompt: an error with the reason, not "0 prompts"
+    none.write_text(json.dumps({**rec, "domain": "math"}) + "\n")
+    p = run(none)
+    errors = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode != 0 and len(errors) == 1 and "no completion prompt among its 1 records (0 with domain" in errors[0]
