@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Extraction and training rates on the GPU host (issue 6 items 2 and 3), JSON lines in $OUT.
+# Extraction and training rates on the GPU host, JSON lines in $OUT.
 # Run on the GPU machine after installing the carried wheels (zarr, numcodecs, ...) into /root/site:
 #   bash scripts/gpu_rates.sh extract    # 1 GPU: writer variants; then both GPUs at once (x2)
 #   bash scripts/gpu_rates.sh train      # 1 GPU: 8B-shaped drafter, compiled, fused loss: memory vs store (2 copy paths), 3 rounds
@@ -23,7 +23,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 NGPU=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ -f .devcarry/inductor.tgz ] && [ ! -d /root/inductor ]; then mkdir -p /root/inductor && tar xzf .devcarry/inductor.tgz -C /root/inductor; fi
-SHAPE=${SHAPE:-qwen3-8b}  # qwen3-32b for the 8-GPU runs of issue 7
+SHAPE=${SHAPE:-qwen3-8b}  # qwen3-32b for 8-GPU runs
 XB="--shape $SHAPE --batches 24 --batch 8 --seq 2048"
 TB="--shape $SHAPE --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr"
 DB=${DB:-"--shape $SHAPE --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"}  # env: a CPU smoke run

@@ -9,9 +9,10 @@
 # greedy decoding accepts the target's argmax; KL against the stored teacher has no such label noise.
 # CODE_N=2000 invents and answers fresh code prompts on the GPUs instead of using the committed ones;
 # EXTRA=4 adds 4 more sampled responses per packaged prompt (seed 1) to base: the drafter overfits
-# the 7,000 samples after ~13 epochs (fifth run), so more data is the lever left. MATH_N=2000 invents
+# the 7,000 samples after ~13 epochs, so more data is the lever left. MATH_N=2000 invents
 # and answers math word problems (MATH_PREFIX steers them) and adds them to base.
-# SIXTH=1 trains on the sixth run's committed data (no generation); LAYERS sets the drafter depth (default 3).
+# COMMITTED_DATA=1 trains on the committed data in docs/results/smollm2-x2-ddp-more-data (no generation);
+# LAYERS sets the drafter depth (default 3).
 # DEADLINE=S ends training S seconds after the script started, however long the data took (one call <= 600 s).
 # Expects the packaged GGUF at /root/m (carried in parts) and the wheels in /root/site.
 # STEPS and TLIM bound the training (a run cut by the time limit is evaluated at its last checkpoint;
@@ -45,8 +46,8 @@ if [ "${REGEN:-0}" = 1 ] || [ ! -f $DATA ]; then
   gzip -c $W/regen.jsonl > "$OUT/regen.jsonl.gz"; DATA="$OUT/regen.jsonl.gz"
 fi
 gunzip -c $DATA > $W/base.jsonl
-MORE=docs/results/smollm2-x2-ddp-more-data  # the sixth run's generated data (460 s of two GPUs), committed
-if [ "${SIXTH:-0}" = 1 ]; then  # train on exactly the sixth run's data, in its order, without generating any
+MORE=docs/results/smollm2-x2-ddp-more-data  # generated data of an earlier two-GPU run, committed
+if [ "${COMMITTED_DATA:-0}" = 1 ]; then  # train on exactly that data, in its order, without generating any
   gunzip -c $MORE/math.jsonl.gz $MORE/extra.jsonl.gz >> $W/base.jsonl; CODE=$MORE/code.jsonl.gz
 fi
 invented() {  # args: name, N, prefix: the target invents N prompts on the GPUs and answers them greedily
