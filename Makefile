@@ -38,10 +38,10 @@ test-fast: install  # the inner loop: the tests not marked slow (process-level r
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: install
-	$(PY) -m ruff check cache_format extract train tests bench
+	$(PY) -m ruff check cache_format target chat runtime extract train tests bench scripts
 
 fmt: install
-	$(PY) -m ruff check --fix cache_format extract train tests bench
+	$(PY) -m ruff check --fix cache_format target chat runtime extract train tests bench scripts
 
 # The embedded default end to end: packaged SmolLM2 target + packaged prompts, on CPU in minutes.
 demo: install
