@@ -28,7 +28,7 @@ class BadRecord(ValueError):
     """A record that cannot be used; the message names file and line."""
 
 
-def _parse(line: str, where: str, require_assistant: bool = True) -> list[dict[str, str]]:
+def _parse(line: str, where: str, require_assistant: bool = True, allow_empty: bool = False) -> list[dict[str, str]]:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
@@ -62,7 +62,7 @@ def _parse(line: str, where: str, require_assistant: bool = True) -> list[dict[s
         except UnicodeEncodeError as e:  # JSON can spell a lone UTF-16 surrogate; no tokenizer takes it
             raise BadRecord(f"{where}: message {i} holds a lone surrogate {e.object[e.start]!r} at character "
                             f"{e.start} (not valid Unicode)") from None
-        if role == "user" and not m[key_text].strip():  # answered, it would train the drafter on a reply to nothing
+        if role == "user" and not m[key_text].strip() and not allow_empty:  # answered, it trains on a reply to nothing
             raise BadRecord(f"{where}: message {i} is an empty user turn")
         out.append({"role": role, "content": m[key_text]})
     if require_assistant and not any(m["role"] == "assistant" for m in out):
@@ -105,17 +105,19 @@ def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict]]:
 
 
 def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0, bad: list[str] | None = None,
-                       require_assistant: bool = True) -> Iterator[tuple[int, list[dict[str, str]]]]:
+                       require_assistant: bool = True,
+                       allow_empty: bool = False) -> Iterator[tuple[int, list[dict[str, str]]]]:
     """(sample id = 0-based line number, messages) for every usable line of a JSONL (or .jsonl.gz) file.
 
     A bad line raises `BadRecord` naming file and line, unless `skip_bad` (then its message is
-    appended to `bad`). Blank lines are skipped silently.
+    appended to `bad`). Blank lines are skipped silently. An empty user turn is bad unless
+    `allow_empty` (a tool that drops and counts such prompts itself).
     """
     for lineno, raw in jsonl_lines(path):
         if limit and lineno >= limit:
             return
         try:
-            yield lineno, _parse(_text(raw, path, lineno), f"{path}:{lineno + 1}", require_assistant)
+            yield lineno, _parse(_text(raw, path, lineno), f"{path}:{lineno + 1}", require_assistant, allow_empty)
         except BadRecord as e:
             if not skip_bad:
                 raise

@@ -79,7 +79,7 @@ def _first_users(path: Path) -> list[str]:
 
     try:
         return [next((m["content"] for m in msgs if m["role"] == "user"), "")
-                for _, msgs in read_conversations(path, skip_bad=False, require_assistant=False)]
+                for _, msgs in read_conversations(path, skip_bad=False, require_assistant=False, allow_empty=True)]
     except BadRecord as e:
         raise click.ClickException(str(e)) from None
 
