@@ -25,10 +25,13 @@ class StoreView:
 
 class WriterWatch:
     """Gives up on a store whose writer is gone: a follower waiting for samples or for the finalize
-    that will never come stops with one line after `timeout` seconds (0 = waits forever)."""
+    that will never come stops with one line after `timeout` seconds (0 = waits forever). While it
+    waits, it says what for (with `announce`): once when the writer is found gone, then every minute."""
 
-    def __init__(self, root: str | Path, timeout: float) -> None:
-        self.root, self.timeout, self.since = root, timeout, None
+    SAY_EVERY = 60.0
+
+    def __init__(self, root: str | Path, timeout: float, announce: bool = True) -> None:
+        self.root, self.timeout, self.announce, self.since, self.said = root, timeout, announce, None, None
 
     def check(self) -> None:
         from cache_format.lock import writer_gone
@@ -39,8 +42,13 @@ class WriterWatch:
         if why is None:
             self.since = None
             return
-        self.since = self.since or time.time()
-        if time.time() - self.since > self.timeout:
+        now = time.time()
+        self.since = self.since or now
+        if self.announce and (self.said is None or now - self.said >= self.SAY_EVERY):
+            print(f"{self.root}: not finalized and {why}; waiting for it to come back, "
+                  f"{max(0.0, self.timeout - (now - self.since)):.0f} s left (--follow-timeout)", flush=True)
+            self.said = now
+        if now - self.since > self.timeout:
             raise ValueError(f"{self.root}: the store is not finalized and {why}; gave up after "
                              f"{self.timeout:g} s (--follow-timeout). Rerun the extraction to finish it, then train")
 

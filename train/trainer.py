@@ -72,7 +72,7 @@ class Trainer:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(cfg.seed)
 
-        self.watch = WriterWatch(cfg.store, cfg.follow_timeout)  # gives up on a store whose writer is gone
+        self.watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)  # gives up on a dead writer's store
         self.reader = open_store(cfg, self.rank, self.watch)
         m = self.reader.manifest
         self.dc, tap_index = drafter_config(cfg, self.reader)

@@ -65,7 +65,7 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_a_follower_gives_up_on_a_store_whose_writer_is_gone(tmp_path):
+def test_a_follower_gives_up_on_a_store_whose_writer_is_gone(tmp_path, capsys):
     import json
     import socket
     import time
@@ -86,6 +86,8 @@ def test_a_follower_gives_up_on_a_store_whose_writer_is_gone(tmp_path):
     with pytest.raises(ValueError, match=r"writer \(pid \d+ .*\) is gone; gave up after 0.5 s"):
         agree_view(r, rank=0, wait_final=True, share=_solo, poll_s=0.05, watch=WriterWatch(store, 0.5))
     assert time.time() - t0 < 10
+    said = [x for x in capsys.readouterr().out.splitlines() if "waiting for it to come back" in x]
+    assert len(said) == 1 and "is gone" in said[0] and "s left (--follow-timeout)" in said[0]  # once, not per poll
     lock_path(store).write_text(json.dumps({**rec, "pid": __import__("os").getpid()}))  # a live writer
     assert writer_gone(store) is None
     lock_path(store).write_text(json.dumps({**rec, "host": "elsewhere"}))  # another host: not known here
