@@ -109,8 +109,8 @@ class ExtractConfig:
             raise ValueError(f"writer must be thread or process, got {self.writer!r}")
         if self.writers < 1:
             raise ValueError(f"writers must be >= 1, got {self.writers}")
-        if self.rows_per_shard < 0 or self.queue_batches < 1 or self.limit < 0:
-            raise ValueError("rows_per_shard and limit must be >= 0, queue_batches >= 1")
+        if self.queue_batches < 1:  # rows_per_shard and limit are >= 0: check_numbers
+            raise ValueError(f"queue_batches must be >= 1, got {self.queue_batches}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -94,10 +94,8 @@ class RegenConfig:
             raise ValueError(f"shard {'/'.join(map(str, self.shard))}: expected i/n with 0 <= i < n, e.g. 0/2")
         if self.num_samples < 1 or self.max_new_tokens < 1 or self.sync_every < 1:
             raise ValueError("--num-samples, --max-new-tokens and --sync-every must be >= 1")
-        if self.limit < 0 or self.batch_size < 0 or self.invent < 0 or self.top_k < 0:
-            raise ValueError("--limit, --batch-size, --invent and --top-k must be >= 0")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1], got {self.temperature}, {self.top_p}")
+        if not 0 < self.top_p <= 1:  # every number is finite and >= 0: check_numbers
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.invent and self.prompts != "default":
             raise ValueError("--invent writes prompts and reads none: answer them in a second run with --prompts")
         if self.invent and self.temperature <= 0:
@@ -105,7 +103,7 @@ class RegenConfig:
         if self.engine == "openai":
             if not self.base_url or not self.model:
                 raise ValueError("--engine openai needs --base-url URL[,URL...] and --model NAME")
-            if self.concurrency < 1 or self.request_timeout <= 0 or self.retries < 0:
+            if self.concurrency < 1 or self.request_timeout == 0:  # retries >= 0: check_numbers
                 raise ValueError("--concurrency >= 1, --request-timeout > 0 and --retries >= 0 are needed")
         elif self.base_url:
             raise ValueError("--base-url is for --engine openai")
