@@ -50,9 +50,10 @@ def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tens
     truth = labels.reshape(-1, block_size)[:, 1:].long()  # [M, D]: slot k+1's token at column k
     # depth j of a tree asks for slot j+1's token (the root asks for slot 1); depth D asks for nothing
     asked = torch.cat([truth, truth.new_full((truth.shape[0], 1), -1)], 1)  # [M, D+1]
+    head = lm_head.to(rows.dtype).T  # [H, V], cast once for every chunk
     out = []
     for i in range(0, rows.shape[0], chunk):
-        logp = torch.log_softmax((rows[i:i + chunk] @ lm_head.to(rows.dtype).T).float(), -1)  # [c, D, V]
+        logp = torch.log_softmax((rows[i:i + chunk] @ head).float(), -1)  # [c, D, V]
         tree = build_tree(logp, budget, width=width)
         want = asked[i:i + chunk].gather(1, tree.depths)  # [c, N+1]
         out.append(walk_tree(tree, want, d)[0])

@@ -89,13 +89,12 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), weighting=Weighting(),
                         use_flex=use_flex_attention("auto", device.type, dc.head_dim))
     groups = domain_groups(reader, keep)
-    with torch.no_grad():
-        rows = [evaluate_holdout(model, ds, device, world=1, loss=loss, groups=groups, tree_budget=n)
-                for n in tree_budgets or (0,)]
-    row = {k: v for k, v in rows[0].items() if not k.startswith("val_tree_")}
+    with torch.no_grad():  # one forward a micro-batch, every budget's tree built from it
+        got = evaluate_holdout(model, ds, device, world=1, loss=loss, groups=groups, tree_budgets=tree_budgets)
+    row = {k: v for k, v in got.items() if not k.startswith("val_tree_")}
     if tree_budgets:
-        row["tree_curve"] = {str(n): {k: v for k, v in r.items() if k.startswith("val_tree_tau")}
-                             for n, r in zip(tree_budgets, rows)}
+        row["tree_curve"] = got.get("val_tree_curve") or {
+            str(tree_budgets[0]): {k: v for k, v in got.items() if k.startswith("val_tree_tau")}}
     return {**row, "samples": int(keep.sum()), "store": store, "drafter": what}
 
 

@@ -56,10 +56,11 @@ class LossSettings:
 
 
 def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, replay: bool = False,
-                 tree_budget: int = 0) -> LossOut:
+                 tree_budgets: tuple[int, ...] = ()) -> LossOut:
     """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU);
-    with `replay`, also the accepted drafts per block (LossOut "accepts"); with `tree_budget` > 0, also
-    those of a draft tree of that many nodes ("tree_accepts", train.replay.tree_accepts)."""
+    with `replay`, also the accepted drafts per block (LossOut "accepts"); for each of `tree_budgets`,
+    also those of a draft tree of that many nodes ("tree_accepts": budget -> [b, N],
+    train.replay.tree_accepts), from the same forward."""
     taps = batch["hidden"]  # [b, T, K*H]: the tapped layers' states
     tile = loss.context_tile or (FLEX_TILE if loss.use_flex else 1)
     # keys past the last anchor are never seen, so padding the context changes nothing but where the
@@ -82,9 +83,9 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, divergence=loss.divergence,
                          chunk=loss.chunk, backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
                          anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay)
-        if tree_budget > 0:
-            out["tree_accepts"] = tree_accepts(hidden.detach(), labels, core.lm_head, block_size=loss.block_size,
-                                               budget=tree_budget)
+        if tree_budgets:
+            out["tree_accepts"] = {n: tree_accepts(hidden.detach(), labels, core.lm_head, block_size=loss.block_size,
+                                                   budget=n) for n in tree_budgets}
         return out
 
 
@@ -130,7 +131,7 @@ def _tau_keys(s: _Reduced, prefix: str, name: str, groups) -> dict[str, Any]:
 @torch.no_grad()
 def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int,
                      loss: LossSettings, groups: dict[str, torch.Tensor] | None = None,
-                     tree_budget: int = 0) -> dict[str, Any]:
+                     tree_budgets: tuple[int, ...] = ()) -> dict[str, Any]:
     """Over the held-out micro-batches (all ranks; an anchor at every response position): the
     teacher-forced loss, per-slot accuracy and sim_tau, and val_decode_tau, speculative decoding
     replayed along the stored responses (train.replay.replay_counts), whole and over the first
@@ -139,30 +140,34 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
 
     groups: name -> int64 sample ids (e.g. the held-out prompts' domains); the window's τ is also
     given per group, as val_decode_tau_96_by_domain (the same names on every rank).
-    tree_budget > 0: the same for decoding that verifies a draft tree of that many nodes per step
-    (train.replay.tree_accepts): val_tree_tau, val_tree_tau_96 (and _by_domain)."""
+    tree_budgets: the same for decoding that verifies a draft tree of that many nodes per step
+    (train.replay.tree_accepts), from the same forwards: the first budget's as val_tree_budget,
+    val_tree_tau, val_tree_tau_96 (and _by_domain); with several, every budget's in val_tree_curve."""
     model.eval()
     plain = dataclasses.replace(loss, backward="fused", compiled=False, weighting=Weighting())  # no backward here
     stats = StepStats(loss.block_size, device)
     groups = {g: ids.to(device) for g, ids in (groups or {}).items()}
-    prefixes = ("", "tree:") if tree_budget > 0 else ("",)
+    prefixes = ("", *(f"tree{n}:" for n in tree_budgets))
     for p in prefixes:  # before any batch, so every rank's sums hold the same names in the same order
         for name in ("replay_tokens", "replay_forwards", "window_tokens", "window_forwards",
                      *(f"{g}:{n}" for g in groups for n in ("tokens", "forwards"))):
             stats.add_sum(p + name, 0)
     for i in range(len(ds)):
         batch = to_device(ds[i], device)
-        out = forward_loss(model, batch, plain, replay=True, tree_budget=tree_budget)
+        out = forward_loss(model, batch, plain, replay=True, tree_budgets=tree_budgets)
         stats.add(out, batch, by_weight=True)
-        for p, accepts in zip(prefixes, (out["accepts"], out.get("tree_accepts"))):
+        for p, accepts in zip(prefixes, (out["accepts"], *out.get("tree_accepts", {}).values())):
             _replay_sums(stats, p, (batch["anchors"], accepts, batch["anchor_span"]), groups, batch["sample_id"])
     s = stats.reduced(world)
     model.train()
     acc = s.acc()
     row = {"val_loss": float(s["loss"] / s["weight"].clamp(min=1e-12)), "val_acc": acc,
            "val_sim_tau": acceptance_from_acc(acc), **_tau_keys(s, "", "decode_tau", groups)}
-    if tree_budget > 0:
-        row.update({"val_tree_budget": tree_budget, **_tau_keys(s, "tree:", "tree_tau", groups)})
+    curve = {str(n): _tau_keys(s, f"tree{n}:", "tree_tau", groups) for n in tree_budgets}
+    if tree_budgets:
+        row.update({"val_tree_budget": tree_budgets[0], **curve[str(tree_budgets[0])]})
+    if len(tree_budgets) > 1:
+        row["val_tree_curve"] = curve
     return row
 
 

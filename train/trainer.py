@@ -249,7 +249,8 @@ class Trainer:
         """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as checkpoints/best-STEP."""
         self.check_finite()
         row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world, loss=self.loss,
-                               groups=self.val_groups, tree_budget=self.cfg.val_tree_budget)
+                               groups=self.val_groups,
+                               tree_budgets=(self.cfg.val_tree_budget,) if self.cfg.val_tree_budget else ())
         self.log.write({"step": self.step, "epoch": epoch, **row})
         self.stale += 1
         if row[self.best_by] > self.best_score:  # every rank holds the all-reduced row: all agree

@@ -80,9 +80,9 @@ def _assert_replay_equals_decoding(target: str, run: str) -> None:
     for sid in ids:
         batch = BatchDataset(store, [[sid]], [0], every, seed=0, epoch=-1)[0]
         with torch.no_grad():
-            out = forward_loss(model, batch, loss, replay=True, tree_budget=8)
+            out = forward_loss(model, batch, loss, replay=True, tree_budgets=(8,))
         tokens, forwards = replay_counts(batch["anchors"], out["accepts"], batch["anchor_span"])
-        _, tree_forwards = replay_counts(batch["anchors"], out["tree_accepts"], batch["anchor_span"])
+        _, tree_forwards = replay_counts(batch["anchors"], out["tree_accepts"][8], batch["anchor_span"])
         sample = reader.get_batch([sid])[0]
         p = int(sample.loss_mask.nonzero()[0])
         for budget, counted in ((0, forwards), (8, tree_forwards)):  # the chain, then a tree of 8 nodes
@@ -94,7 +94,7 @@ def _assert_replay_equals_decoding(target: str, run: str) -> None:
         tree_total += int(tree_forwards)
     assert forwards_total < 0.8 * new_total and tree_total <= forwards_total  # drafts accepted; the tree no fewer
     held = BatchDataset(store, [ids], [0], every, seed=0, epoch=-1)  # all prompts in one padded batch
-    row = evaluate_holdout(model, held, torch.device("cpu"), world=1, loss=loss, tree_budget=8)
+    row = evaluate_holdout(model, held, torch.device("cpu"), world=1, loss=loss, tree_budgets=(8,))
     assert row["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6)
     assert row["val_tree_tau"] == pytest.approx(new_total / tree_total, rel=1e-6) and row["val_tree_budget"] == 8
     from train.replay_score import replay_score  # the command over any store: the same figure
@@ -102,6 +102,9 @@ def _assert_replay_equals_decoding(target: str, run: str) -> None:
     got = replay_score(store, run=run, checkpoint=str(latest_checkpoint(run)), whole_head=False, tree_budgets=(8,))
     assert got["val_decode_tau"] == pytest.approx(new_total / forwards_total, rel=1e-6) and got["samples"] == len(ids)
     assert got["tree_curve"]["8"]["val_tree_tau"] == pytest.approx(new_total / tree_total, rel=1e-6)
+    both = replay_score(store, run=run, checkpoint=str(latest_checkpoint(run)), whole_head=False, tree_budgets=(8, 2))
+    assert list(both["tree_curve"]) == ["8", "2"] and both["tree_curve"]["8"] == got["tree_curve"]["8"]
+    assert both["val_decode_tau"] == got["val_decode_tau"]  # the chain's figure from the same forwards
 
 
 def test_a_budget_curve_decodes_every_budget_losslessly_against_one_baseline(trained):
