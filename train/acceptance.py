@@ -116,6 +116,6 @@ def teacher_forced_accepts(drafter, target, prompt: list[int], new: list[int]) -
         block[0, 0] = new[j]
         hid = drafter(F.embedding(block, embed), torch.arange(n, n + bs, device=dev)[None],
                       [(k[:, :, :n], v[:, :, :n]) for k, v in ctx])  # [1, bs, H]
-        draft = drafter.draft_tokens(F.linear(hid[0, 1:], head)).tolist()  # [bs-1] target ids
+        draft = drafter.draft_tokens(F.linear(hid[0, 1:], head), block[0, 0]).tolist()  # [bs-1] target ids
         out.append(leading_matches(draft, new[j + 1: j + bs]))
     return out

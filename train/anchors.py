@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["IGNORE", "build_blocks", "sample_anchors"]
+__all__ = ["IGNORE", "build_blocks", "previous_tokens", "sample_anchors"]
 
 IGNORE = -100
 
@@ -39,3 +39,14 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     safe = pos.clamp(max=length - 1)
     labels = torch.where(inside & loss_mask[safe].bool() & (k[None] >= 1), input_ids[safe], IGNORE)
     return ids.flatten(), pos.flatten(), labels.flatten()
+
+
+def previous_tokens(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """block_ids, labels [..., n * block_size] (build_blocks) -> [..., n * block_size]: the true token
+    before each slot, what a Markov head reads (train.markov_head): slot 1's is the anchor's token,
+    slot k's the label of slot k - 1; 0 where that label is IGNORE (its slot has none either) and at
+    slot 0 (no loss)."""
+    ids = block_ids.reshape(*block_ids.shape[:-1], -1, block_size)  # [..., n, B]
+    lab = labels.reshape(ids.shape)
+    prev = torch.cat([torch.zeros_like(ids[..., :1]), ids[..., :1], lab[..., 1:-1]], -1)  # [..., n, B]
+    return prev.clamp(min=0).reshape(block_ids.shape)

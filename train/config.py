@@ -60,6 +60,10 @@ class TrainConfig:
     """Tokens the drafter may propose: the N most frequent answer tokens of the store's training
     samples (0 = the target's whole vocabulary). The lm_head and the loss's softmax then cost N/V of
     theirs; a token outside can never be drafted (the run logs the share of answer tokens inside)."""
+    markov_rank: int = 0
+    """A Markov dependence head over the block (DSpark's, train.markov_head) of this rank: each slot's
+    logits get a bias read from the token before it, so drafting is sequential over the block's
+    slots and a draft tree scores each child after its parent's token; 0 = none (independent slots)."""
     mask_token_id: int = -1
     """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first vocabulary
     padding row, else an unused special token; see target.loader.choose_mask_token)."""

@@ -54,6 +54,8 @@ class DecodingState:
         c, dev, dt = drafter.config, embed.device, drafter.fc.weight.dtype
         bs, self.d, self.embed, self.rows, self.key = drafter.block_size, drafter, embed, rows, key
         self.budget, self.width, self.target_dtype = budget, width, target_dtype
+        # a Markov head's tree: each parent's best children kept (config dflash_config tree_child_cap; 0: exact)
+        self.child_cap = int(c.dflash_config.get("tree_child_cap", 0))
         # [V or N, H], a copy of its own (a later copy_ must not write into the target's weights), kept
         # in the weight's own layout: a bf16 matmul against the transposed copy ran ~50x slower on a CPU
         self.head = head.to(dt, copy=True).contiguous()
@@ -89,9 +91,10 @@ class DecodingState:
                      list(zip(self.k, self.v)), self.row_ids < self.n)  # [1, Q, H]
         logits = F.linear(hid[0, 1:], self.head)  # [Q-1, V or N]
         if not self.budget:
-            self.block[1:].copy_(self.d.draft_tokens(logits))
+            self.block[1:].copy_(self.d.draft_tokens(logits, self.block[0]))
             return
-        tree = build_tree(torch.log_softmax(logits.float(), -1), self.budget, self.block[0], self.width)
+        logp, bias = self.d.tree_logp(logits, self.block[0])  # [Q-1, V or N]; a Markov head's bias
+        tree = build_tree(logp, self.budget, self.block[0], self.width, bias, self.child_cap)
         ids = tree.tokens if self.d.draft_ids is None else torch.cat([tree.tokens[:1], self.d.draft_ids[tree.tokens[1:]]])
         for mine, new in zip(self.tree, (ids, *tree[1:])):
             mine.copy_(new)

@@ -18,12 +18,19 @@ depth d-1's N best by each slot's N best tokens (a prefix outranked by N others 
 outranking extensions too), so each depth is one sort of N x N candidates, with fixed shapes and no
 host sync (a CUDA graph can hold it).
 
+With a dependence head (a Markov head: `bias`), slot d+1's distribution depends on the token
+drafted at slot d: a prefix's children are scored by log_softmax(logp[d+1] + bias(its last token)).
+The same search stays exact (a node's score still bounds its descendants'), with each kept parent's
+own N best children in place of one shared list; `child_cap` K < N keeps each parent's K best only
+(fewer candidates, an approximation where some parent would have more than K children in the tree).
+
 Nodes come in rank order after the root (index 0, the block's first token, already verified):
 parents precede children. Shapes: `...` any batch dims, D drafted slots, V vocabulary, N budget.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -53,41 +60,70 @@ def _pad(x: torch.Tensor, size: int, value: float) -> torch.Tensor:
     return torch.cat([x, x.new_full((*x.shape[:-1], size - x.shape[-1]), value)], dim=-1)
 
 
-def build_tree(logp: torch.Tensor, budget: int, root: torch.Tensor | int = 0, width: int = 0) -> DraftTree:
+def _best(x: torch.Tensor, k: int, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., V] -> the k best (values, indices) [..., k] in rank order (padded with -inf / 0 where
+    V < k), ties in index order; `exact` False: a top-k instead of a whole sort, which may pick other
+    tokens among ties at the k-th value (the dependence head's [F, V] rows, where a sort is costly)."""
+    if exact or k >= x.shape[-1]:
+        v, i = _ranked(x)
+        return _pad(v, k, float("-inf"))[..., :k], _pad(i, k, 0)[..., :k].long()
+    v, i = torch.topk(x, k, dim=-1)
+    i, o = torch.sort(i, dim=-1)  # index order first, so the stable sort by value keeps ties by index
+    v, o2 = _ranked(v.gather(-1, o))
+    return v, i.gather(-1, o2)
+
+
+def build_tree(logp: torch.Tensor, budget: int, root: torch.Tensor | int = 0, width: int = 0,
+               bias: Callable[[torch.Tensor], torch.Tensor] | None = None, child_cap: int = 0) -> DraftTree:
     """logp [..., D, V] (each drafted slot's log-probabilities), budget N >= 1 -> the DraftTree of the
     N best prefixes (module docstring). width > 0: at most `width` nodes at each depth (the N best
-    among each depth's `width` best). root: the root's token, a tensor [...] or an int."""
+    among each depth's `width` best). root: the root's token, a tensor [...] or an int.
+    bias: a dependence head, token indices [..., P] -> logits [..., P, V] added to the next slot's
+    (slot 1's log-probabilities must already hold the root's); child_cap > 0: each parent's best
+    children kept (with bias; 0: as many as the depth keeps)."""
     if budget < 1:
         raise ValueError(f"tree budget {budget}: must be at least 1")
     *batch, d_slots, _ = logp.shape
     f = min(budget, width) if width > 0 else budget  # prefixes kept per depth
-    tv, ti = _ranked(logp.float())  # [..., D, V]: each slot's tokens, best first
-    tv, ti = _pad(tv, f, float("-inf"))[..., :f], _pad(ti, f, 0)[..., :f].long()  # [..., D, F]
+    k = min(child_cap, f) if child_cap > 0 and bias is not None else f  # children per parent
+    logp = logp.float()
+    tv, ti = _best(logp, f)  # [..., D, F]: each slot's tokens, best first (the shared lists without a head)
     scores, parent_slot, tokens = [tv[..., 0, :]], [torch.zeros_like(ti[..., 0, :])], [ti[..., 0, :]]
-    for d in range(1, d_slots):  # depth d+1: the F best of F parents x F tokens, parents' order first
-        cand = (scores[-1][..., :, None] + tv[..., d, None, :]).flatten(-2)  # [..., F*F]
+    for d in range(1, d_slots):  # depth d+1: the F best of F parents x K tokens, parents' order first
+        if bias is None:
+            cv, ci = tv[..., d, None, :], ti[..., d, None, :].expand(*batch, f, f)  # [..., 1, F], [..., F, F]
+        else:
+            cond = torch.log_softmax(logp[..., d, None, :] + bias(tokens[-1]).float(), -1)  # [..., F, V]
+            cv, ci = _best(cond, k, exact=False)  # [..., F, K]
+        cand = (scores[-1][..., :, None] + cv).flatten(-2)  # [..., F*K]
         s, idx = _ranked(cand)
-        s, idx = s[..., :f], idx[..., :f]  # [..., F]
+        s, idx = _pad(s, f, float("-inf"))[..., :f], _pad(idx, f, 0)[..., :f]  # [..., F]
         scores.append(s)
-        parent_slot.append(idx // f)
-        tokens.append(ti[..., d, :].gather(-1, idx % f))
+        parent_slot.append(idx // k)
+        tokens.append(ci.flatten(-2).gather(-1, idx))
+    return _assemble(scores, parent_slot, tokens, budget, f, root, batch, logp.device)
+
+
+def _assemble(scores: list[torch.Tensor], parent_slot: list[torch.Tensor], tokens: list[torch.Tensor], budget: int,
+              f: int, root: torch.Tensor | int, batch: list[int], device: torch.device) -> DraftTree:
+    """Each depth's F kept prefixes (score, parent's rank in the depth above, token) [..., F] -> the
+    DraftTree of the N best over all depths."""
     flat_s = torch.cat(scores, -1)  # [..., D*F], depth-major: ties go to the shallower
     s, order = _ranked(_pad(flat_s, budget, float("-inf")))
     s, order = s[..., :budget], order[..., :budget]  # [..., N] flat indices of the nodes, best first
     valid = s > float("-inf")
     order = torch.where(valid, order, 0)
     # flat index -> node index (1..N), 0 if not chosen; the invalid nodes write to a spare last column
-    node_of = torch.zeros((*batch, flat_s.shape[-1] + 1), dtype=torch.long, device=logp.device)
+    node_of = torch.zeros((*batch, flat_s.shape[-1] + 1), dtype=torch.long, device=device)
     node_of.scatter_(-1, torch.where(valid, order, flat_s.shape[-1]),
-                     torch.arange(1, budget + 1, device=logp.device).expand(order.shape))
+                     torch.arange(1, budget + 1, device=device).expand(order.shape))
     depth0 = order // f  # [..., N]: depth - 1 of each node
-    slot = order % f
     par_slot = torch.cat(parent_slot, -1).gather(-1, order)  # the parent's rank within its depth
     par_flat = ((depth0 - 1).clamp(min=0) * f + par_slot)
     parents = torch.where((depth0 > 0) & valid, node_of.gather(-1, par_flat), 0)
-    toks = torch.cat(tokens, -1).gather(-1, depth0 * f + slot)
-    root_t = torch.as_tensor(root, device=logp.device).long().expand(tuple(batch))[..., None]
-    zero = torch.zeros((*batch, 1), dtype=torch.long, device=logp.device)
+    toks = torch.cat(tokens, -1).gather(-1, order)
+    root_t = torch.as_tensor(root, device=device).long().expand(tuple(batch))[..., None]
+    zero = torch.zeros((*batch, 1), dtype=torch.long, device=device)
     return DraftTree(tokens=torch.cat([root_t, torch.where(valid, toks, 0)], -1),
                      parents=torch.cat([zero, parents], -1),
                      depths=torch.cat([zero, torch.where(valid, depth0 + 1, 0)], -1),

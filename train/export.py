@@ -31,7 +31,9 @@ __all__ = ["SERVED_FILES", "export_config", "export_run", "from_export_names", "
 
 # the export's code: the modeling file AutoModel loads and the modules it imports (relative imports,
 # which transformers copies along with trust_remote_code)
-SERVED_FILES = ("modeling_dflash.py", "decoding_state.py", "draft_tree.py")
+# the Markov head's map onto the logits: its rows follow the output vocabulary
+MARKOV_W2 = "markov_head.markov_w2.weight"
+SERVED_FILES = ("modeling_dflash.py", "decoding_state.py", "draft_tree.py", "markov_head.py")
 DEFAULT_TREE_BUDGET = 512
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -97,9 +99,14 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
 
 
 def as_whole_head(state: dict, weights: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A checkpoint's (state, weights) drafting from the target's whole lm_head: no draft vocabulary."""
-    return ({**state, "drafter": {**state["drafter"], "draft_vocab_size": 0}},
-            {k: v for k, v in weights.items() if k != "draft_ids"})
+    """A checkpoint's (state, weights) drafting from the target's whole lm_head: no draft vocabulary.
+    A Markov head's rows onto the draft vocabulary go to those tokens' rows; the others get no bias."""
+    out = {k: v for k, v in weights.items() if k != "draft_ids"}
+    w2, ids = weights.get(MARKOV_W2), weights.get("draft_ids")
+    if w2 is not None and ids is not None:
+        vocab = state["drafter"]["vocab_size"]
+        out[MARKOV_W2] = w2.new_zeros(vocab, w2.shape[1]).index_copy_(0, ids.long(), w2)  # [V, r]
+    return {**state, "drafter": {**state["drafter"], "draft_vocab_size": 0}}, out
 
 
 def write_export(dst: Path, state: dict, weights: dict[str, torch.Tensor]) -> Path:
@@ -118,8 +125,13 @@ def write_export(dst: Path, state: dict, weights: dict[str, torch.Tensor]) -> Pa
 def export_config(state: dict) -> dict:
     """config.json of a checkpoint's drafter (its state.json: drafter dims, layer ids, mask token)."""
     dc = DrafterConfig(**state["drafter"])
+    head = {}
+    if dc.markov_rank:
+        # a drafter with a dependence head is not a plain DFlash drafter: an engine that knows only those must
+        # refuse it (by the architecture's name) rather than serve its backbone without the head
+        head = {"markov_rank": dc.markov_rank, "markov_head_type": "vanilla"}
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlashMarkovDraftModel" if dc.markov_rank else "DFlashDraftModel"],
         "auto_map": {"AutoModel": "modeling_dflash.DFlashDraftModel"},
         "model_type": "qwen3",
         "hidden_size": dc.hidden_size,
@@ -143,6 +155,7 @@ def export_config(state: dict) -> dict:
         "draft_vocab_size": dc.draft_vocab_size,
         "num_target_layers": state.get("num_target_layers", 0),
         "layer_types": ["full_attention"] * dc.num_layers,
+        **head,
         # tree_budget: spec_generate's default draft tree (0: the chain); the budget of the best measured
         # speedup at batch 1 (docs/benchmarks/2026-12-04_trees-large-budgets_h200.md); a call's tree_budget overrides it
         "dflash_config": {"mask_token_id": dc.mask_token_id, "mask_token": state.get("mask_token", ""),
@@ -174,7 +187,8 @@ def load_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list
                        num_kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], vocab_size=cfg["vocab_size"],
                        num_taps=len(cfg["dflash_config"]["target_layer_ids"]), block_size=cfg["block_size"],
                        mask_token_id=cfg["dflash_config"]["mask_token_id"], rope_theta=cfg["rope_theta"],
-                       rms_eps=cfg["rms_norm_eps"], draft_vocab_size=cfg.get("draft_vocab_size", 0))
+                       rms_eps=cfg["rms_norm_eps"], draft_vocab_size=cfg.get("draft_vocab_size", 0),
+                       markov_rank=cfg.get("markov_rank", 0))
     return dc, from_export_names(load_file(str(Path(path) / "model.safetensors"))), cfg["dflash_config"]["target_layer_ids"]
 
 
@@ -197,9 +211,10 @@ def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[st
     except ValueError as e:
         raise ValueError(f"--init-from {e}") from None
     # a whole-head export (draft_vocab_size 0, no draft_ids) starts a run with any draft vocabulary:
-    # its head is the target's, and the run takes its own rows of it
+    # its head is the target's, and the run takes its own rows of it; one without a Markov head starts
+    # a run with one (the head starts new)
     diffs = [f"{k} {v} vs {getattr(dc, k)}" for k, v in theirs.to_dict().items()
-             if v != getattr(dc, k) and not (k == "draft_vocab_size" and v == 0)]
+             if v != getattr(dc, k) and not (k in ("draft_vocab_size", "markov_rank") and v == 0)]
     if list(their_ids) != list(layer_ids):
         diffs.append(f"taps {list(their_ids)} vs {list(layer_ids)}")
     if diffs:

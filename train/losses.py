@@ -148,7 +148,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
                divergence: str = "kl", chunk: int = 2048, backward: str = "fused", compiled: bool = False,
                weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
-               spans: torch.Tensor | None = None, replay: bool = False) -> LossOut:
+               spans: torch.Tensor | None = None, replay: bool = False,
+               bias_rows: torch.Tensor | None = None, bias_head: torch.Tensor | None = None) -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss) indexing lm_head's rows
     (OUT_OF_VOCAB: a token a draft vocabulary lacks, no loss and never a hit); teacher [B, Q, H] or None.
 
@@ -164,6 +165,11 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     decode-aware ones, built from this forward's own hits (train.replay): `anchors` and `spans`
     [B, N] are the blocks' anchor positions and response spans, needed for the anchor weights and
     for `replay` (the accepted drafts per block, returned as "accepts").
+
+    bias_rows [B, Q, r] and bias_head [V, r] (a Markov head, train.markov_head: each slot's embedded
+    previous token and the trained map onto the logits) add bias_rows @ bias_head.T to the logits;
+    the head is trained, so the "fused" backward (which makes no gradient for the head) runs as
+    "recompute".
     """
     if backward not in LOSS_BACKWARDS:
         raise ValueError(f"backward must be one of {LOSS_BACKWARDS}, got {backward!r}")
@@ -181,6 +187,11 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     tea = teacher[keep].to(rows.dtype) if teacher is not None else None
     if kl_weight > 0 and tea is None:
         raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state (extract with --last-hidden)")
+    if bias_rows is not None:  # [rows | previous token] against [lm_head | W2]: one matmul per chunk
+        rows = torch.cat([rows, bias_rows[keep].to(rows.dtype)], -1)  # [n, H + r]
+        lm_head = torch.cat([lm_head, bias_head.to(lm_head.dtype)], -1)  # [V, H + r]
+        tea = F.pad(tea, (0, bias_head.shape[1])) if tea is not None else None  # the teacher has no head
+        backward = "recompute" if backward == "fused" else backward
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence, chunk, backward, compiled)
     hit = hit & in_vocab
     weighting = weighting or Weighting()

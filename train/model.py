@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.attention import SplitMask, split_attention
+from train.markov_head import MarkovHead
 from train.modeling_dflash import RMSNorm, apply_rope, rope_cos_sin
 from train.vocab import draft_labels, target_to_draft
 
@@ -42,6 +43,8 @@ class DrafterConfig:
     rms_eps: float = 1e-6
     draft_vocab_size: int = 0
     """Tokens the drafter may propose (its `draft_ids`); 0 = the target's whole vocabulary (train.vocab)."""
+    markov_rank: int = 0
+    """Rank of the Markov dependence head (train.markov_head) over the block's slots; 0 = none."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,6 +134,13 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("t2d", target_to_draft(self.draft_ids, c.vocab_size), persistent=False)  # [V]
             lm_head = lm_head[self.draft_ids]
         self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # [V or N, H]
+        self.markov_head = None
+        if c.markov_rank:
+            # W2 starts at zero: the head adds nothing until it learns to, so a run with it starts as the
+            # plain drafter (and --init-from a drafter without one begins where that drafter ended)
+            self.markov_head = MarkovHead(c.vocab_size, c.draft_vocab_size or c.vocab_size, c.markov_rank)
+            nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
+            nn.init.zeros_(self.markov_head.markov_w2.weight)
 
     def compile_layers(self) -> None:
         """torch.compile each layer in place: fuses the norms, RoPE and SwiGLU around the matmuls.

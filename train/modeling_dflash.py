@@ -25,6 +25,7 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 from .decoding_state import DecodingState, PhaseClock
+from .markov_head import MarkovHead, markov_chain
 
 __all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "cache_of", "cache_kwarg", "keep_cache_rows", "rope_cos_sin"]
 
@@ -161,6 +162,11 @@ class DFlashDraftModel(PreTrainedModel):
         # a draft vocabulary (config draft_vocab_size > 0): draft index -> target id, in the weights file
         n = int(getattr(config, "draft_vocab_size", 0) or 0)
         self.register_buffer("draft_ids", torch.zeros(n, dtype=torch.long) if n else None)
+        # a dependence head (markov_head.py): config markov_rank > 0; any other head type is refused, not ignored
+        rank, kind = int(getattr(config, "markov_rank", 0) or 0), getattr(config, "markov_head_type", "vanilla")
+        if rank and kind != "vanilla":
+            raise ValueError(f"markov_head_type {kind!r}: this modeling file drafts with the 'vanilla' head only")
+        self.markov_head = MarkovHead(config.vocab_size, n or config.vocab_size, rank) if rank else None
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -195,10 +201,23 @@ class DFlashDraftModel(PreTrainedModel):
         """The rows of the target's lm_head [V, H] this drafter proposes from ([N, H] with a draft vocabulary)."""
         return head if self.draft_ids is None else head[self.draft_ids]
 
-    def draft_tokens(self, logits: torch.Tensor) -> torch.Tensor:
-        """Target ids of the argmax of draft logits [..., V or N]."""
+    def draft_tokens(self, logits: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """Target ids [D] of the chain drafted from logits [D, V or N] after the block's first token root
+        (0-d): each slot's argmax, or with a Markov head each slot's after the token drafted before it."""
+        if self.markov_head is not None:
+            return markov_chain(logits, root, self.markov_head, self.draft_ids)
         idx = logits.argmax(-1)
         return idx if self.draft_ids is None else self.draft_ids[idx]
+
+    def tree_logp(self, logits: torch.Tensor, root: torch.Tensor):
+        """(log-probs [D, V or N] of the block's slots, the head's bias for build_tree or None): with a
+        Markov head, slot 1's log-probs are those after the root (0-d, a target id)."""
+        if self.markov_head is None:
+            return torch.log_softmax(logits.float(), -1), None
+        head, ids = self.markov_head, self.draft_ids
+        first = logits[:1].float() + head(root.reshape(1)).float()  # [1, V or N]
+        logp = torch.log_softmax(torch.cat([first, logits[1:].float()]), -1)
+        return logp, (lambda t: head(t if ids is None else ids[t]))  # t: output rows of the parents
 
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.Tensor, *, max_new_tokens: int = 256,

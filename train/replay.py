@@ -37,24 +37,36 @@ def block_accepts(hit: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
-                 budget: int, width: int = 0, chunk: int = 512) -> torch.Tensor:
+                 budget: int, width: int = 0, chunk: int = 512, head=None, roots: torch.Tensor | None = None,
+                 draft_ids: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [b, Q, H] (drafter output, Q = N blocks x block_size), labels [b, Q] (lm_head row of the
     token at each slot; < 0: none, a miss), lm_head [V, H] -> int64 [b, N]: the drafted tokens each
     block's draft tree of `budget` nodes (build_tree, `width` per depth) accepts when the walk asks
     for the known continuation. A tree holds its prefixes' ancestors, so that is the longest prefix
     of the continuation among the tree's nodes; where the tree holds the argmax chain it is at least
-    block_accepts. `chunk` blocks at a time: each holds [chunk, block_size - 1, V] log-probabilities."""
+    block_accepts. `chunk` blocks at a time: each holds [chunk, block_size - 1, V] log-probabilities.
+
+    head: a Markov head (train.markov_head) whose conditional scores build the trees, with roots
+    [b, Q] (the blocks' token ids: slot 0 holds the anchor's) and draft_ids [V] (the target id of
+    each lm_head row, None when lm_head is the target's whole head)."""
     b, q, h = hidden.shape
     d = block_size - 1
     rows = hidden.reshape(-1, block_size, h)[:, 1:]  # [M, D, H]: slots 1..D of every block
     truth = labels.reshape(-1, block_size)[:, 1:].long()  # [M, D]: slot k+1's token at column k
     # depth j of a tree asks for slot j+1's token (the root asks for slot 1); depth D asks for nothing
     asked = torch.cat([truth, truth.new_full((truth.shape[0], 1), -1)], 1)  # [M, D+1]
-    head = lm_head.to(rows.dtype).T  # [H, V], cast once for every chunk
+    head_w = lm_head.to(rows.dtype).T  # [H, V], cast once for every chunk
+    bias = root = None
+    if head is not None:  # each chunk's conditional scores hold [chunk, F, V]: about 2^28 of them at most
+        chunk = max(1, min(chunk, 2 ** 28 // (min(budget, width or budget) * lm_head.shape[0])))
+        root = roots.reshape(-1, block_size)[:, 0]  # [M]
+        bias = lambda t: head(t if draft_ids is None else draft_ids[t]).float()  # noqa: E731
     out = []
     for i in range(0, rows.shape[0], chunk):
-        logp = torch.log_softmax((rows[i:i + chunk] @ head).float(), -1)  # [c, D, V]
-        tree = build_tree(logp, budget, width=width)
+        logits = (rows[i:i + chunk] @ head_w).float()  # [c, D, V]
+        if head is not None:  # slot 1 after the block's own first token
+            logits[:, 0] += head(root[i:i + chunk]).float()
+        tree = build_tree(torch.log_softmax(logits, -1), budget, width=width, bias=bias)
         want = asked[i:i + chunk].gather(1, tree.depths)  # [c, N+1]
         out.append(walk_tree(tree, want, d)[0])
     return torch.cat(out).view(b, q // block_size) if out else labels.new_zeros(b, 0)

@@ -51,7 +51,7 @@ def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig
         num_taps=len(taps), block_size=cfg.block_size,
         mask_token_id=cfg.mask_token_id if cfg.mask_token_id >= 0 else m.mask_token_id,
         rope_theta=float(tc.get("rope_theta") or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
-        rms_eps=float(tc.get("rms_norm_eps", 1e-6)),
+        rms_eps=float(tc.get("rms_norm_eps", 1e-6)), markov_rank=cfg.markov_rank,
     )
     if not 0 <= dc.mask_token_id < dc.vocab_size:
         raise ValueError(f"mask_token_id {dc.mask_token_id} is outside the vocabulary (0..{dc.vocab_size - 1})")
@@ -105,13 +105,19 @@ def start_from_weights(model: DFlashDrafter, cfg: TrainConfig, dc: DrafterConfig
     refusing weights of another shape or vocabulary, and an export that lacks a trainable tensor."""
     what, weights = initial_weights(cfg, dc, layer_ids, reader)
     check_same_vocab(model, weights, what, cfg.store)
+    w2, mine = weights.get("markov_head.markov_w2.weight"), getattr(model, "draft_ids", None)
+    if w2 is not None and mine is not None and w2.shape[0] == dc.vocab_size:  # a whole-head export's head
+        weights = {**weights, "markov_head.markov_w2.weight": w2[mine.to(w2.device)]}  # this run's rows
+    # a drafter without a Markov head starts a run with one: the head starts as a new run's (adding nothing)
+    new_head = set() if any(k.startswith("markov_head.") for k in weights) else \
+        {n for n, _ in model.named_parameters() if n.startswith("markov_head.")}
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as e:  # a shape that differs (another intermediate size, head layout)
         raise ValueError(f"{what}: the weights do not fit this drafter ({str(e).splitlines()[-1].strip()})") from None
     params = {n for n, _ in model.named_parameters()}  # an export leaves out only frozen buffers
-    if unexpected or (cfg.init_from and params & set(missing)):
-        raise ValueError(f"{what}: weights missing {sorted(params & set(missing))[:3]} "
+    if unexpected or (cfg.init_from and (params & set(missing)) - new_head):
+        raise ValueError(f"{what}: weights missing {sorted((params & set(missing)) - new_head)[:3]} "
                          f"or unknown {sorted(unexpected)[:3]}")
 
 

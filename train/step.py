@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from train.anchors import IGNORE
+from train.anchors import IGNORE, previous_tokens
 from train.attention import SplitMask
 from train.data import BatchDataset, to_device
 from train.losses import LossOut, Weighting, acceptance_from_acc, draft_loss
@@ -79,13 +79,19 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
         labels = core.labels(batch["labels"], IGNORE)  # [b, Q] lm_head rows
+        mh, head_terms = core.markov_head, {}
+        if mh is not None:  # each slot's true previous token, embedded: teacher forcing (train.markov_head)
+            prev = previous_tokens(batch["block_ids"], batch["labels"], loss.block_size)  # [b, Q] target ids
+            head_terms = {"bias_rows": mh.markov_w1(prev), "bias_head": mh.markov_w2.weight}
         out = draft_loss(hidden, labels, core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, divergence=loss.divergence,
                          chunk=loss.chunk, backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
-                         anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay)
+                         anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay, **head_terms)
         if tree_budgets:
+            ids = core.draft_ids if core.c.draft_vocab_size else None
             out["tree_accepts"] = {n: tree_accepts(hidden.detach(), labels, core.lm_head, block_size=loss.block_size,
-                                                   budget=n) for n in tree_budgets}
+                                                   budget=n, head=mh, roots=batch["block_ids"], draft_ids=ids)
+                                   for n in tree_budgets}
         return out
 
 

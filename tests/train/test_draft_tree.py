@@ -129,3 +129,68 @@ def test_a_width_one_tree_of_depth_many_nodes_is_the_chain():
 def test_a_budget_below_one_is_refused():
     with pytest.raises(ValueError, match="at least 1"):
         build_tree(torch.zeros(2, 3), 0)
+
+
+def _oracle_markov(base: torch.Tensor, trans: torch.Tensor, root: int, budget: int,
+                   width: int = 0) -> list[tuple[tuple[int, ...], float]]:
+    """base [D, V] logits, trans [V, V] the logit bias of the token after each token -> the chosen prefixes,
+    every prefix enumerated: slot d's log-probs after token t are log_softmax(base[d] + trans[t])."""
+    d_slots, v = base.shape
+    levels, prev = [], [((), 0.0, root)]
+    for d in range(d_slots):
+        cand = []
+        for pi, (pre, s, last) in enumerate(prev):
+            lp = torch.log_softmax(base[d] + trans[last], -1)
+            for ri, t in enumerate(sorted(range(v), key=lambda t, lp=lp: (-float(lp[t]), t))):
+                if float(lp[t]) > float("-inf"):
+                    cand.append((-(s + float(lp[t])), pi, ri, pre + (t,), s + float(lp[t]), t))
+        cand.sort(key=lambda c: c[:3])
+        prev = [(c[3], c[4], c[5]) for c in cand]
+        prev = prev[:width] if width else prev
+        levels.append(prev)
+    flat = [(-sc, d, i, pre, sc) for d, lev in enumerate(levels) for i, (pre, sc, _) in enumerate(lev)]
+    flat.sort(key=lambda c: c[:3])
+    return [(c[3], c[4]) for c in flat[:budget]]
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("budget,width", [(1, 0), (6, 0), (20, 0), (20, 4), (300, 0)])
+def test_with_a_dependence_head_each_child_is_scored_after_its_parents_token(seed, budget, width):
+    g = torch.Generator().manual_seed(seed)
+    d_slots, v, root = 1 + seed % 4, 3 + seed % 5, 1
+    base, trans = torch.randn(d_slots, v, generator=g), 2 * torch.randn(v, v, generator=g)
+    trans[:, 0] = float("-inf")  # a token no parent may be followed by
+    logp = torch.log_softmax(base, -1)
+    first = torch.log_softmax(logp[:1] + trans[root], -1)  # slot 1 after the root: the caller's part
+    tree = build_tree(torch.cat([first, logp[1:]]), budget, root=root, width=width, bias=lambda t: trans[t])
+    want = _oracle_markov(base, trans, root, budget, width)
+    _same(_prefixes(tree), want)
+    assert int(tree.valid.sum()) == len(want) + 1
+    # a head that adds nothing builds the tree of the marginals
+    flat = build_tree(logp, budget, root=root, width=width, bias=lambda t: torch.zeros(*t.shape, v))
+    _same(_prefixes(flat), _oracle(logp, budget, width))
+
+
+def test_a_child_cap_keeps_each_parents_best_children_only():
+    g = torch.Generator().manual_seed(3)
+    d_slots, v = 4, 9
+    base, trans = torch.randn(d_slots, v, generator=g), torch.randn(v, v, generator=g)
+    logp = torch.log_softmax(base, -1)
+    first = torch.log_softmax(logp[:1] + trans[0], -1)
+    lp = torch.cat([first, logp[1:]])
+    exact = _prefixes(build_tree(lp, 30, bias=lambda t: trans[t]))
+    capped = _prefixes(build_tree(lp, 30, bias=lambda t: trans[t], child_cap=2))
+    per_parent: dict[tuple[int, ...], int] = {}
+    for pre, _ in capped:
+        if len(pre) > 1:
+            per_parent[pre[:-1]] = per_parent.get(pre[:-1], 0) + 1
+    assert max(per_parent.values()) <= 2 and len(capped) == 30  # depth 1 (the root's) is not capped
+    def true_score(pre: tuple[int, ...]) -> float:  # the prefix's summed conditional log-probabilities
+        s, last = 0.0, 0
+        for d, tok in enumerate(pre):
+            s, last = s + float(torch.log_softmax(base[d] + trans[last], -1)[tok]), tok
+        return s
+    assert all(s == pytest.approx(true_score(pre), abs=1e-5) for pre, s in capped)
+    # an uncapped parent count is reached: the cap changes the tree
+    assert {p for p, _ in capped} != {p for p, _ in exact}
+    assert _prefixes(build_tree(lp, 30, bias=lambda t: trans[t], child_cap=30)) == exact

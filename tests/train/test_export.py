@@ -92,7 +92,7 @@ def test_export_refuses_a_non_empty_out_unless_overwrite(trained, tmp_path):
     assert (out / "stale.safetensors").exists() and not (out / "config.json").exists()
     export_run(run, str(out), overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "decoding_state.py", "draft_tree.py",
-                                                     "model.safetensors", "modeling_dflash.py"]
+                                                     "markov_head.py", "model.safetensors", "modeling_dflash.py"]
     export_run(run, str(out), overwrite=True)  # its own earlier export too needs --overwrite
     with pytest.raises(ValueError, match="not empty"):
         export_run(run, str(out))

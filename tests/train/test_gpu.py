@@ -90,8 +90,8 @@ def test_fp8_taps_dequantized_on_the_side_stream_equal_the_host_decode(tmp_path)
         assert got["hidden"].dtype == torch.bfloat16 and torch.equal(got["hidden"].cpu(), want["hidden"])
 
 
-@pytest.mark.parametrize("budget", [0, 8, 32])
-def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_result(budget):
+@pytest.mark.parametrize("budget,markov", [(0, 0), (8, 0), (32, 0), (0, 4), (32, 4)])
+def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_result(budget, markov):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
     from train.modeling_dflash import DFlashDraftModel
@@ -104,6 +104,7 @@ def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_re
     dc = Qwen3Config(vocab_size=6, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16)
     dc.block_size, dc.dflash_config = 8, {"target_layer_ids": [0, 2], "mask_token_id": 5}
+    dc.markov_rank = markov  # a Markov head: sequential chain drafting, conditional trees, inside the graph
     drafter = DFlashDraftModel(dc).cuda().eval()
     longest = 0
     for p in ([1, 2, 3, 4, 0, 1], [2] * 40, [0, 3]):

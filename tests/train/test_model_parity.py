@@ -68,7 +68,7 @@ def test_the_exported_drafter_proposes_the_trained_drafters_tokens(draft_vocab):
         torch.testing.assert_close(h1, h2, rtol=1e-5, atol=1e-5)
         logits = ours.logits(h1[0, 1:])  # [Q-1, V or N]
         want = logits.argmax(-1) if not draft_vocab else ours.draft_ids[logits.argmax(-1)]
-        got = theirs.draft_tokens(h2[0, 1:] @ theirs.draft_head(head).T)
+        got = theirs.draft_tokens(h2[0, 1:] @ theirs.draft_head(head).T, block[0, 0])
         assert torch.equal(got, want)
 
 
