@@ -247,6 +247,13 @@ class StoreReader:
         return fetch(self.url, self.root, [k for g, shard in self._shards(rows) for k in shard_keys(self._tokens, g, shard)],
                      parallel=parallel)
 
+    def verify_samples(self, sample_ids) -> None:
+        """Check now every shard the samples lie in against its commit log (fetching those a store read
+        by URL lacks): CacheFormatError naming the first damaged shard. A small store (a validation
+        store) is checked whole this way before training starts, not at its first read."""
+        self.prefetch(sample_ids)
+        self._verify_rows([self.index.locate(int(s)) for s in sample_ids])
+
     def _shards(self, rows: list[int]) -> list[tuple[str, int]]:
         """(group key, shard) of every shard the index rows `rows` lie in, in order, each once."""
         rs, out = self.manifest.rows_per_shard, {}

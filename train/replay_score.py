@@ -34,7 +34,7 @@ from train.export import as_whole_head, read_export
 from train.losses import Weighting, default_gamma
 from train.masks import use_flex_attention
 from train.model import DrafterConfig
-from train.start import build_drafter, domain_groups
+from train.start import build_drafter, check_creation_files, domain_groups
 from train.step import LossSettings, evaluate_holdout
 
 __all__ = ["replay_score"]
@@ -73,14 +73,23 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
     if missing or dc.mask_token_id != m.mask_token_id:
         raise ValueError(f"{store}: lacks what {what} reads (target layers {missing or 'present'}, mask token "
                          f"{m.mask_token_id} vs {dc.mask_token_id})")
+    check_creation_files(reader, store)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_drafter(dc, reader.frozen(), weights.get("draft_ids"))
-    model.load_state_dict({k: v for k, v in weights.items() if k != "draft_ids"}, strict=False)
+    try:  # what train.eval and --init-from refuse, refused here too: a config that claims weights the file lacks
+        missing, unexpected = model.load_state_dict({k: v for k, v in weights.items() if k != "draft_ids"}, strict=False)
+    except RuntimeError as e:
+        raise ValueError(f"{what}: the weights do not fit its config ({str(e).splitlines()[-1].strip()})") from None
+    lacking = sorted({n for n, _ in model.named_parameters()} & set(missing))
+    if lacking or unexpected:
+        raise ValueError(f"{what}: its weights lack {lacking[:3]} or hold unknown {sorted(unexpected)[:3]} "
+                         "for the drafter its config describes")
     model = model.to(device=device, dtype=torch.float32)
     keep = np.isin(reader.sample_ids, samples) if samples else np.ones(len(reader.sample_ids), dtype=bool)
     unknown = sorted(set(samples) - set(reader.sample_ids.tolist()))
     if unknown:
         raise ValueError(f"{store}: holds no sample {unknown[0]}")
+    reader.verify_samples(reader.sample_ids[keep])  # every shard read, checked first (CacheFormatError: one line)
     settings = CollateSettings(tap_index=tuple(list(m.layer_ids).index(i) for i in layer_ids),
                                num_stored_taps=len(m.layer_ids), num_anchors=1,  # replay_dataset: every position
                                block_size=dc.block_size, mask_token_id=dc.mask_token_id, with_last_hidden=False)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cache_format import StoreReader
+from cache_format import CacheFormatError, StoreReader
 from cache_format.checksums import CREATION_FILES, check_checksums
 from cache_format.layout import KEPT_LAYER_PREFIX
 from cache_format.schema import Manifest
@@ -26,7 +26,7 @@ from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
-__all__ = ["BEST_BY", "best_by", "best_state", "build_drafter", "check_resume", "check_same_vocab", "domain_groups",
+__all__ = ["BEST_BY", "best_by", "best_state", "build_drafter", "check_creation_files", "check_resume", "check_same_vocab", "domain_groups",
            "draft_vocab_of", "drafter_config", "initial_weights", "loss_settings", "open_store", "open_val_store",
            "run_record", "start_from_weights", "target_layer_weights"]
 
@@ -166,7 +166,7 @@ def best_state(ck: Path, key: str = BEST_BY) -> dict[str, Any]:
     return state
 
 
-def _check_creation_files(reader: StoreReader, store: str) -> None:
+def check_creation_files(reader: StoreReader, store: str) -> None:
     """The files written when the store was made (frozen weights, prompt keys, manifest, tokenizer) intact."""
     damaged = check_checksums(reader.root, only=CREATION_FILES)
     if damaged:
@@ -182,7 +182,7 @@ def open_store(cfg: TrainConfig, rank: int, watch: WriterWatch) -> StoreReader:
     if not reader.finalized and not cfg.follow:
         raise ValueError(f"{cfg.store}: store is not finalized (stage one still running or killed); "
                          "pass --follow to train while it is written")
-    _check_creation_files(reader, cfg.store)
+    check_creation_files(reader, cfg.store)
     if cfg.loss != "ce" and not reader.manifest.last_hidden:
         raise ValueError(f"{cfg.store}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
     return reader
@@ -196,7 +196,7 @@ def open_val_store(cfg: TrainConfig, train: StoreReader) -> StoreReader:
     where = f"--val-store {cfg.val_store}"
     if not val.finalized:
         raise ValueError(f"{where}: store is not finalized (stage one still running or killed)")
-    _check_creation_files(val, cfg.val_store)
+    check_creation_files(val, cfg.val_store)
     a, b = train.manifest, val.manifest
     for what, mine, theirs in (("target weights", a.target.sha256, b.target.sha256),
                                ("tokenizer files", a.tokenizer_sha256, b.tokenizer_sha256),
@@ -209,6 +209,11 @@ def open_val_store(cfg: TrainConfig, train: StoreReader) -> StoreReader:
         raise ValueError(f"{where}: --loss {cfg.loss} needs last_hidden, which this store does not hold")
     if len(val) == 0:
         raise ValueError(f"{where}: the store holds no samples")
+    if cfg.check_shards:  # a held-out store is small: a damaged shard is named now, not at the first evaluation
+        try:
+            val.verify_samples(val.sample_ids)
+        except CacheFormatError as e:
+            raise ValueError(f"{where}: {e}") from None
     keys, train_keys = val.prompt_keys(), train.prompt_keys()
     if keys is not None and train_keys is not None:  # keys are content hashes: equal across stores
         shared = np.intersect1d(keys[keys >= 0], train_keys[train_keys >= 0])

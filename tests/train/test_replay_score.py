@@ -62,3 +62,16 @@ def test_each_domain_scores_as_its_samples_alone(trained, monkeypatch, tmp_path)
     assert abs(alone["math"] - alone["chat"]) > 0.01  # the groups differ, so a mix-up of rows would show
     res = CliRunner().invoke(main, ["--store", store, "--export", str(out)])
     assert res.exit_code == 0 and f"math: first 96 tokens {alone['math']:.3f}" in res.output
+
+
+def test_an_export_whose_weights_lack_what_its_config_claims_is_one_line(trained, tmp_path):
+    _, _, run = trained
+    store = load_checkpoint(resolve_checkpoint(run))[2]["store"]
+    out = export_run(run, str(tmp_path / "e"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1  # a layer the weights file does not hold would score at random init
+    cfg["layer_types"].append("full_attention")
+    (out / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(main, ["--store", store, "--export", str(out)])
+    assert res.exit_code == 2 and "weights lack ['layers.2." in res.output
+    assert len(res.output.strip().splitlines()) == 1

@@ -70,6 +70,16 @@ def test_a_val_store_that_does_not_fit_the_training_store_is_one_line(stores, tm
     (damaged / "frozen.safetensors").write_bytes(bytes(weights))
     with pytest.raises(ValueError, match=r"damaged\.zarr/frozen\.safetensors: .*the store is damaged"):
         train(train_cfg(store, tmp_path / "e", max_steps=2, val_store=str(damaged)))
+    torn = tmp_path / "torn.zarr"  # a damaged shard: named before step 1, not at the first evaluation
+    shutil.copytree(val, torn)
+    chunk = max((f for f in torn.rglob("*") if f.is_file() and "hidden" in f.parts and f.name != "zarr.json"),
+                key=lambda f: f.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"--val-store .*torn\.zarr: .*shard \d+: .*the store is damaged"):
+        train(train_cfg(store, tmp_path / "f", max_steps=2, val_store=str(torn)))
+    assert not (tmp_path / "f" / "metrics.jsonl").exists() or not metric_rows(tmp_path / "f")
     with pytest.raises(ValueError, match="not both"):
         train_cfg(store, tmp_path / "c", val_samples=4, val_store=val)
     train_cfg(store, tmp_path / "d", patience=2, val_store=val)  # patience needs a held-out set: this is one
