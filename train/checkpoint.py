@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cache_format.checksums import sha256_file
+from runtime.oserrors import write_failure
 
 CHECKSUMS = "checksums.json"  # sha256 of each file of a checkpoint, written last before the rename
 
@@ -44,7 +45,7 @@ def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
         (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1))
     except Exception as e:  # noqa: BLE001 - a full disk reaches us as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"{root / name}: the checkpoint could not be written ({' '.join(str(e).split())[:200]}); "
+        raise ValueError(f"the checkpoint could not be written: {write_failure(e, tmp)}; "
                          "the earlier checkpoints are untouched") from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -24,6 +24,7 @@ from extract.regenerate.config import RegenConfig
 from extract.regenerate.openai_client import server_results
 from extract.regenerate.sampling import request_key
 from extract.regenerate.turns import TurnLog, conversation_key, turn_key
+from runtime.oserrors import WRITE_LIMITS, write_failure
 from target.loader import chat_ids, eos_ids
 
 __all__ = ["RegenConfig", "RegenSummary", "hf_tokens", "pre_query_text", "regenerate"]
@@ -295,46 +296,15 @@ def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = Non
     log (fsync both every 2 s and at the end); progress and a closing summary."""
     from tqdm import tqdm
 
-    from extract.regenerate.loops import loop_start
-
-    written = failed = tokens = retried = looping = 0
-    t0 = last_sync = time.perf_counter()
+    t0 = time.perf_counter()
     bar = tqdm(unit="req", desc="regenerate", mininterval=2.0, file=sys.stderr, disable=None)
-    with open(out, "a", encoding="utf-8") as f:
-        for (i, k), text, n, attempts in results:
-            bar.update(1)
-            retried += attempts > 1
-            tokens += n
-            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
-            if text is None:
-                failed += 1
-                continue
-            if cfg.invent:  # the prefix was the opening's end: the generated text continues it
-                message = (cfg.invent_prefix + text).strip() if text.strip() else ""
-                if not message:
-                    continue  # an empty message is no prompt
-                rec = {"messages": [{"role": "user", "content": message}], "prompt_index": i, "sample": k}
-            else:
-                answers = log.of((i, k)) + [text.strip()]
-                if len(answers) < len(segs[i]):  # more turns to come: kept in the turn log meanwhile
-                    log.add((i, k), answers[-1])
-                    continue
-                rec = {"messages": history(segs[i], answers[:-1]) + [{"role": "assistant", "content": answers[-1]}],
-                       "prompt_index": i, "sample": k}
-                finished.add((i, k))
-                looping += loop_start(answers[-1]) < len(answers[-1])
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            written += 1
-            if time.perf_counter() - last_sync > 2.0:
-                f.flush()
-                os.fsync(f.fileno())
-                if log is not None:
-                    log.sync()
-                last_sync = time.perf_counter()
-        f.flush()
-        os.fsync(f.fileno())
-        if log is not None:
-            log.sync()
+    try:
+        with open(out, "a", encoding="utf-8") as f:
+            written, failed, tokens, retried, looping = _append(cfg, f, segs, results, log, finished, bar, t0)
+    except OSError as e:  # a full disk or a size limit: the file named, what was fsynced stays
+        if e.errno not in WRITE_LIMITS:
+            raise
+        raise ValueError(f"{write_failure(e, out)}; rerun the same command to go on") from None
     bar.close()
     s = time.perf_counter() - t0
     msg = f"{written} written, {failed} failed, {tokens} new tokens in {s:.1f} s ({tokens / max(s, 1e-9):,.0f} tok/s)"
@@ -347,6 +317,50 @@ def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = Non
                 "loop starts)")
     print(msg, file=sys.stderr)
     return RegenSummary(written, failed, retried, tokens, s, looping=looping)
+
+
+def _append(cfg: RegenConfig, f, segs, results, log, finished, bar, t0: float) -> tuple[int, int, int, int, int]:
+    """Write each finished conversation's record to f (fsync every 2 s and at the end): the counts
+    (written, failed, new tokens, retried, looping)."""
+    from extract.regenerate.loops import loop_start
+
+    written = failed = tokens = retried = looping = 0
+    last_sync = t0
+    for (i, k), text, n, attempts in results:
+        bar.update(1)
+        retried += attempts > 1
+        tokens += n
+        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
+        if text is None:
+            failed += 1
+            continue
+        if cfg.invent:  # the prefix was the opening's end: the generated text continues it
+            message = (cfg.invent_prefix + text).strip() if text.strip() else ""
+            if not message:
+                continue  # an empty message is no prompt
+            rec = {"messages": [{"role": "user", "content": message}], "prompt_index": i, "sample": k}
+        else:
+            answers = log.of((i, k)) + [text.strip()]
+            if len(answers) < len(segs[i]):  # more turns to come: kept in the turn log meanwhile
+                log.add((i, k), answers[-1])
+                continue
+            rec = {"messages": history(segs[i], answers[:-1]) + [{"role": "assistant", "content": answers[-1]}],
+                   "prompt_index": i, "sample": k}
+            finished.add((i, k))
+            looping += loop_start(answers[-1]) < len(answers[-1])
+        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        written += 1
+        if time.perf_counter() - last_sync > 2.0:
+            f.flush()
+            os.fsync(f.fileno())
+            if log is not None:
+                log.sync()
+            last_sync = time.perf_counter()
+    f.flush()
+    os.fsync(f.fileno())
+    if log is not None:
+        log.sync()
+    return written, failed, tokens, retried, looping
 
 
 def _done_pairs(out: Path, keys: list[str] | None, num_samples: int) -> set[tuple[int, int]]:
