@@ -144,6 +144,15 @@ def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, chunk, backward,
     return torch.cat(losses), torch.cat(hits)
 
 
+def _with_head(rows, lm_head, tea, bias_rows, bias_head):
+    """A Markov head as a wider matmul: [rows | previous token's embedding] [n, H + r] against
+    [lm_head | W2] [V, H + r] gives the drafter's logits plus the head's bias in one product per
+    chunk; the teacher's rows get zeros (its logits have no head)."""
+    rows = torch.cat([rows, bias_rows.to(rows.dtype)], -1)
+    lm_head = torch.cat([lm_head, bias_head.to(lm_head.dtype)], -1)
+    return rows, lm_head, F.pad(tea, (0, bias_head.shape[1])) if tea is not None else None
+
+
 def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
                divergence: str = "kl", chunk: int = 2048, backward: str = "fused", compiled: bool = False,
@@ -187,11 +196,9 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     tea = teacher[keep].to(rows.dtype) if teacher is not None else None
     if kl_weight > 0 and tea is None:
         raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state (extract with --last-hidden)")
-    if bias_rows is not None:  # [rows | previous token] against [lm_head | W2]: one matmul per chunk
-        rows = torch.cat([rows, bias_rows[keep].to(rows.dtype)], -1)  # [n, H + r]
-        lm_head = torch.cat([lm_head, bias_head.to(lm_head.dtype)], -1)  # [V, H + r]
-        tea = F.pad(tea, (0, bias_head.shape[1])) if tea is not None else None  # the teacher has no head
-        backward = "recompute" if backward == "fused" else backward
+    if bias_rows is not None:
+        rows, lm_head, tea = _with_head(rows, lm_head, tea, bias_rows[keep], bias_head)
+        backward = "recompute" if backward == "fused" else backward  # the fused path trains no head
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence, chunk, backward, compiled)
     hit = hit & in_vocab
     weighting = weighting or Weighting()

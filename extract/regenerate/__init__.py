@@ -20,7 +20,8 @@ model given only its chat template's text before a user message writes a plausib
 user-only conversations, to be answered by a second run with --prompts. `--recipe default --out DIR`
 builds the default math + code + chat dataset (recipe.py).
 
-Modules: answers (the library: `regenerate`), __main__ (the command line), config (RegenConfig),
+Modules: answers (the library: `regenerate`), output_file (what the output holds, the appends to
+it), __main__ (the command line), config (RegenConfig),
 static_engine and openai_client (the two ways answers are generated: in process, or by requests to
 OpenAI-compatible servers), local_server (a `transformers serve` for tests and benches), sampling,
 dedup, loops (answers cut where they start repeating themselves), turns (multi-turn bookkeeping) and

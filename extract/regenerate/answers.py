@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,28 +19,12 @@ from chat.conversations import history, segments
 from extract.plan import generation_jobs
 from extract.regenerate.config import RegenConfig
 from extract.regenerate.openai_client import server_results
+from extract.regenerate.output_file import RegenSummary, done_pairs, write_results
 from extract.regenerate.sampling import request_key
 from extract.regenerate.turns import TurnLog, conversation_key, turn_key
-from runtime.oserrors import WRITE_LIMITS, write_failure
 from target.loader import chat_ids, eos_ids
 
 __all__ = ["RegenConfig", "RegenSummary", "hf_tokens", "pre_query_text", "regenerate"]
-
-
-@dataclass(frozen=True)
-class RegenSummary:
-    written: int
-    """Records appended to the output now."""
-    failed: int
-    """Requests that failed after their retries (openai engine; listed in OUT.errors.jsonl)."""
-    retried: int
-    """Requests that succeeded only after a retry (openai engine)."""
-    new_tokens: int
-    seconds: float
-    too_long: int = 0
-    """Conversations not answered: their prompt is as long as the target's context or longer (in-process)."""
-    looping: int = 0
-    """Written conversations whose last answer repeats itself (extract.regenerate.loops.loop_start)."""
 
 
 def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> RegenSummary:
@@ -111,18 +92,18 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
     out = Path(cfg.out)
     # a resume knows a conversation by what it asks, not by its line: a reordered or grown prompt
     # file answers each conversation once (invented prompts have no content yet: by index)
-    done = _done_pairs(out, None if cfg.invent else keys, num_samples)
+    done = done_pairs(out, None if cfg.invent else keys, num_samples)
     if cfg.engine == "openai":
         if cfg.invent:
             opening = pre_query_text(_tokenizer_only(cfg.target)) + cfg.invent_prefix
             results = server_results(cfg, opening, [(job, None, request_key(cfg.seed, *job)) for job in
                                                      _todo(cfg, [len(opening)] * cfg.invent, 1, done)])
-            return _write(cfg, out, segs, results)
+            return write_results(cfg, out, segs, results)
         first = _todo(cfg, [sum(len(m["content"]) for m in s[0]) if s else 0 for s in segs], num_samples, done)
         return _rounds(cfg, out, segs, keys, done, first, lambda reqs, turn: server_results(cfg, "", reqs))
     local = _local_target(cfg, loaded)
     if cfg.invent:
-        return _write(cfg, out, segs, _invented_locally(cfg, local, done))
+        return write_results(cfg, out, segs, _invented_locally(cfg, local, done))
     return _answer_locally(cfg, local, out, segs, keys, done, num_samples)
 
 
@@ -231,7 +212,7 @@ def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], keys: lis
         if not todo:
             continue
         reqs = [(j, history(segs[j[0]], log.of(j)), turn_key(cfg.seed, *j, turn)) for j in todo]
-        s = _write(cfg, out, segs, generate(reqs, turn), log, finished)
+        s = write_results(cfg, out, segs, generate(reqs, turn), log, finished)
         summary = RegenSummary(*(a + b for a, b in zip(dataclasses.astuple(summary), dataclasses.astuple(s))))
     # the log is kept while a conversation it holds is unfinished (a failed request: a rerun goes on)
     log.close(finished=all(j in finished or j in done for j, a in log.answers.items() if a))
@@ -290,99 +271,6 @@ def _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, devi
             for job, toks in hf_tokens(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, device))
 
 
-def _write(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = None,
-           finished: set | None = None) -> RegenSummary:
-    """Append a record per finished conversation, an answered turn of an unfinished one to the turn
-    log (fsync both every 2 s and at the end); progress and a closing summary."""
-    from tqdm import tqdm
-
-    t0 = time.perf_counter()
-    bar = tqdm(unit="req", desc="regenerate", mininterval=2.0, file=sys.stderr, disable=None)
-    try:
-        with open(out, "a", encoding="utf-8") as f:
-            written, failed, tokens, retried, looping = _append(cfg, f, segs, results, log, finished, bar, t0)
-    except OSError as e:  # a full disk or a size limit: the file named, what was fsynced stays
-        if e.errno not in WRITE_LIMITS:
-            raise
-        raise ValueError(f"{write_failure(e, out)}; rerun the same command to go on") from None
-    bar.close()
-    s = time.perf_counter() - t0
-    msg = f"{written} written, {failed} failed, {tokens} new tokens in {s:.1f} s ({tokens / max(s, 1e-9):,.0f} tok/s)"
-    if retried:
-        msg += f"; {retried} requests needed retries"
-    if failed:
-        msg += f"; failures in {cfg.out}.errors.jsonl (rerun to retry them)"
-    if looping:
-        msg += (f"; {looping} answers repeat themselves (python -m extract.regenerate.loops cuts them where the "
-                "loop starts)")
-    print(msg, file=sys.stderr)
-    return RegenSummary(written, failed, retried, tokens, s, looping=looping)
-
-
-def _append(cfg: RegenConfig, f, segs, results, log, finished, bar, t0: float) -> tuple[int, int, int, int, int]:
-    """Write each finished conversation's record to f (fsync every 2 s and at the end): the counts
-    (written, failed, new tokens, retried, looping)."""
-    from extract.regenerate.loops import loop_start
-
-    written = failed = tokens = retried = looping = 0
-    last_sync = t0
-    for (i, k), text, n, attempts in results:
-        bar.update(1)
-        retried += attempts > 1
-        tokens += n
-        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
-        if text is None:
-            failed += 1
-            continue
-        if cfg.invent:  # the prefix was the opening's end: the generated text continues it
-            message = (cfg.invent_prefix + text).strip() if text.strip() else ""
-            if not message:
-                continue  # an empty message is no prompt
-            rec = {"messages": [{"role": "user", "content": message}], "prompt_index": i, "sample": k}
-        else:
-            answers = log.of((i, k)) + [text.strip()]
-            if len(answers) < len(segs[i]):  # more turns to come: kept in the turn log meanwhile
-                log.add((i, k), answers[-1])
-                continue
-            rec = {"messages": history(segs[i], answers[:-1]) + [{"role": "assistant", "content": answers[-1]}],
-                   "prompt_index": i, "sample": k}
-            finished.add((i, k))
-            looping += loop_start(answers[-1]) < len(answers[-1])
-        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        written += 1
-        if time.perf_counter() - last_sync > 2.0:
-            f.flush()
-            os.fsync(f.fileno())
-            if log is not None:
-                log.sync()
-            last_sync = time.perf_counter()
-    f.flush()
-    os.fsync(f.fileno())
-    if log is not None:
-        log.sync()
-    return written, failed, tokens, retried, looping
-
-
-def _done_pairs(out: Path, keys: list[str] | None, num_samples: int) -> set[tuple[int, int]]:
-    """(prompt index, sample) pairs already in `out`: matched by the conversation's content key
-    (what a record asks: its messages but the answers) when `keys` are given, else by index."""
-    done: set[tuple] = set()
-    if out.exists():
-        _drop_torn_tail(out)
-        with open(out, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                    asked = [m for m in r["messages"] if m["role"] != "assistant"]
-                    done.add((conversation_key(asked), r["sample"]) if keys is not None else
-                             (r["prompt_index"], r["sample"]))
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # not ours: regenerated below
-    if keys is None:
-        return done
-    return {(i, k) for i, key in enumerate(keys) for k in range(num_samples) if (key, k) in done}
-
-
 def _tokenizer_only(target: str):
     """The target's tokenizer (for its chat template) without loading the weights."""
     from transformers import AutoTokenizer
@@ -403,11 +291,3 @@ def pre_query_text(tok) -> str:
     if marker not in text:
         raise ValueError("the target's chat template does not place the user message in its text; cannot --invent")
     return text[: text.index(marker)]
-
-
-def _drop_torn_tail(path: Path) -> None:
-    """Cut a last line without its newline (a run killed mid-write) so appends start on a fresh line."""
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
