@@ -235,7 +235,8 @@ class DFlashDraftModel(PreTrainedModel):
         tree_budget N > 0: each step drafts a tree of the block's N best prefixes (draft_tree.py;
         tree_width caps the nodes at each depth) and the target verifies all of them in one forward
         with an ancestor-only mask; its greedy token is walked down the tree and the matched path
-        is kept. 0: the chain of each slot's argmax. None: the export's default (config.json
+        is kept. 0: the chain of each slot's argmax (with a Markov head, each after the token drafted
+        before it). None: the export's default (config.json
         dflash_config tree_budget and tree_width; the chain where it names none).
 
         timings: a dict each phase's seconds are added to (prefill, mask: the verify's inputs, verify:
@@ -262,37 +263,45 @@ class DFlashDraftModel(PreTrainedModel):
         tapped = lambda: torch.cat([taps[i] for i in self.target_layer_ids], dim=-1)  # noqa: E731  [1, S, K*H]
         clock = PhaseClock(timings, input_ids.device)
         try:
-            out, kw = target(input_ids, use_cache=True), cache_kwarg(target)
-            cache, first = cache_of(out), out.logits[0, -1].argmax()
-            dec.start(tapped(), first)  # context = states of positions 0..P-1, first block drafted
-            tokens, accepted = [int(first)], [1]
-            clock.lap("prefill")
-            while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-                n = prompt_len + len(tokens) - 1  # position of the last (not yet verified) token: block[0]
-                inputs = dec.verify_inputs(n)
-                clock.lap("mask")
-                out = target(**inputs, use_cache=True, **{kw: cache})
-                cache = cache_of(out)
-                dec.want.copy_(out.logits[0].argmax(-1))  # the target's choice after each verified token
-                dec.taps.copy_(tapped())
-                clock.lap("verify")
-                dec.step()
-                clock.lap("step")
-                a, path, emitted = dec.result()  # the step's one host sync
-                clock.lap("sync")
-                new = emitted[: max_new_tokens - len(tokens)]
-                for t in new:
-                    tokens.append(t)
-                    if t in eos:
-                        break
-                accepted.append(len(new))
-                keep_cache_rows(cache, n, [0, *path[:a]])  # the target's cache for verified tokens only
-                clock.lap("compact")
+            tokens, accepted = self._decode(target, input_ids, dec, tapped, clock, max_new_tokens, eos)
         finally:
             for h in hooks:
                 h.remove()
         seq = torch.cat([input_ids[0], torch.tensor(tokens, device=input_ids.device)])[None]
         return {"sequences": seq, "accepted": accepted, "target_forwards": len(accepted)}
+
+    def _decode(self, target, input_ids: torch.Tensor, dec: DecodingState, tapped, clock: PhaseClock,
+                max_new_tokens: int, eos: set[int]) -> tuple[list[int], list[int]]:
+        """The prefill, then steps of verify, accept and draft until max_new_tokens or an eos token:
+        (the new tokens, the tokens each target forward emitted)."""
+        prompt_len = input_ids.shape[1]
+        out, kw = target(input_ids, use_cache=True), cache_kwarg(target)
+        cache, first = cache_of(out), out.logits[0, -1].argmax()
+        dec.start(tapped(), first)  # context = states of positions 0..P-1, first block drafted
+        tokens, accepted = [int(first)], [1]
+        clock.lap("prefill")
+        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+            n = prompt_len + len(tokens) - 1  # position of the last (not yet verified) token: block[0]
+            inputs = dec.verify_inputs(n)
+            clock.lap("mask")
+            out = target(**inputs, use_cache=True, **{kw: cache})
+            cache = cache_of(out)
+            dec.want.copy_(out.logits[0].argmax(-1))  # the target's choice after each verified token
+            dec.taps.copy_(tapped())
+            clock.lap("verify")
+            dec.step()
+            clock.lap("step")
+            a, path, emitted = dec.result()  # the step's one host sync
+            clock.lap("sync")
+            new = emitted[: max_new_tokens - len(tokens)]
+            for t in new:
+                tokens.append(t)
+                if t in eos:
+                    break
+            accepted.append(len(new))
+            keep_cache_rows(cache, n, [0, *path[:a]])  # the target's cache for verified tokens only
+            clock.lap("compact")
+        return tokens, accepted
 
     def _decoding_for(self, target, rows: int, device: torch.device, graph: bool, budget: int = 0,
                       width: int = 0) -> DecodingState:
