@@ -141,6 +141,11 @@ class Mirror:
         self.bucket = bucket or open_bucket(url)
         self.sent: dict[str, tuple[int, int, int]] = {}  # key -> _signature of the version last uploaded
         self.bytes_sent = 0
+        self.armed = True
+
+    def arm(self) -> None:
+        """Let pushes go up (writing_to's mirror waits for this: the stage checked against the run first)."""
+        self.armed = True
 
     def _files(self) -> list[str]:
         out = []
@@ -208,8 +213,8 @@ class Mirror:
         with the rows written), read now, so at least as new as the snapshots; then the snapshots;
         the rest; the root zarr.json last. final (the last pass of a writing run): first check that the
         server holds every committed shard (_check_complete)."""
-        if not (self.local / "zarr.json").exists():
-            return  # not created yet (the first push of an extraction can come before create_store)
+        if not self.armed or not (self.local / "zarr.json").exists():
+            return  # not checked or not created yet (a push can come before create_store or its checks)
         if "zarr.json" not in self.sent:  # the root first, once: what a resume looks for to know a store is there
             self._put("zarr.json")
         logs = {}
@@ -251,8 +256,10 @@ def clear(url: str, bucket=None) -> None:
 def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwrite: bool = False) -> Iterator[Mirror]:
     """Write a store to `url` through the local directory `local`: take the lease (waiting out a killed
     writer's), clear the old store with `overwrite` or else download its metadata, done-logs and tail
-    shards (a resume, on this machine or another), then push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
-    more on the way out, finished or not, so that a resume finds every commit; release the lease.
+    shards (a resume, on this machine or another), then, once the caller arms the mirror (`mirror.arm()`:
+    the stage checked against its run), push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
+    more on the way out, finished or not, so that a resume finds every commit; release the lease. A run
+    refused before it arms pushes nothing: the URL stays as it was.
     Settled shards leave `local` once they are on the server (Mirror's evict)."""
     lease = Lease(url, ttl=ttl).acquire()
     try:
@@ -276,6 +283,9 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
         lease.release()
         raise
     mirror, stop, errors = Mirror(local, url, bucket=lease.bucket, evict=True), threading.Event(), []
+    # nothing goes up before the caller has checked the stage against its run (mirror.arm()): a stage left
+    # by another store's run, refused by those checks, must not reach this URL first
+    mirror.armed = False
 
     def loop() -> None:
         while not stop.wait(ttl / 6):
@@ -296,7 +306,7 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
         stop.set()
         thread.join()
         try:
-            if not errors:
+            if not errors and mirror.armed:
                 mirror.push(final=True)
         except CacheFormatError as e:
             errors.append(e)

@@ -120,8 +120,9 @@ def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter, worl
     return out
 
 
-def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
-    """Extract `cfg.data` into `cfg.store`; returns the closing summary (rank 0's is complete)."""
+def run(cfg: ExtractConfig, *, world: World | None = None, on_ready=None) -> dict:
+    """Extract `cfg.data` into `cfg.store`; returns the closing summary (rank 0's is complete).
+    on_ready: called on rank 0 once the store is created or checked for a resume (a mirror may push)."""
     world = world or World.from_env()
     if is_url(cfg.store):
         return _run_to_url(cfg, world)
@@ -135,7 +136,7 @@ def run(cfg: ExtractConfig, *, world: World | None = None) -> dict:
     if world.rank != 0:
         lock.acquire()
     try:
-        return _run_locked(cfg, world, device, t0)
+        return _run_locked(cfg, world, device, t0, on_ready)
     finally:
         lock.release()
 
@@ -148,8 +149,8 @@ def _run_to_url(cfg: ExtractConfig, world: World) -> dict:
     local = dataclasses.replace(cfg, store=str(stage), stage_dir="")
     if world.rank != 0:  # they wait at run's first barrier for rank 0's lease and download
         return run(local, world=world)
-    with writing_to(cfg.store, stage, ttl=cfg.lease_ttl, overwrite=cfg.overwrite):
-        summary = run(local, world=world)
+    with writing_to(cfg.store, stage, ttl=cfg.lease_ttl, overwrite=cfg.overwrite) as mirror:
+        summary = run(local, world=world, on_ready=mirror.arm)  # pushes once the stage is checked
     if not summary:
         return summary
     from cache_format.audit import inspect_store
@@ -223,7 +224,7 @@ def _check_data_file(path: str) -> None:
             raise ValueError(f"{path}: the data file holds no records")
 
 
-def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: float) -> dict:
+def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: float, on_ready=None) -> dict:
     if cfg.data:
         _check_data_file(cfg.data)
     # ------------------------------------------------------------------ target and data
@@ -243,6 +244,8 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
 
     # ------------------------------------------------------------------ the store
     manifest = _create(cfg, world, target, layer_ids, samples, data)
+    if on_ready is not None and world.rank == 0:
+        on_ready()
     h = target.info.hidden_size
     quant = cfg.dtype if cfg.dtype in QUANTIZED else ""
     ring = HostRing(cfg.queue_batches, cfg.token_budget,

@@ -322,7 +322,7 @@ def test_a_rerun_on_the_same_stage_resumes_a_writer_whose_commits_never_went_up(
         for i in range(20, 60):
             w.add(i, **make_sample(i, sample_length(i, m.max_len), m))
     assert _a_settled_shard(m, local).startswith("w00000/")  # writer 1's shards are settled too
-    with writing_to(url, local, ttl=2):
-        pass
+    with writing_to(url, local, ttl=2) as mirror:
+        mirror.arm()  # the stage checked (extraction arms it once its store is created or checked)
     remote = {o["path"] for b in obstore.list(open_bucket(url)) for o in b}
     assert "commits/w00001.jsonl" in remote and any(k.startswith("w00001/") for k in remote)

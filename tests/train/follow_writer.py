@@ -45,7 +45,8 @@ if __name__ == "__main__":
         from cache_format.mirror import writing_to
 
         stage = sys.argv[4]
-        with writing_to(path, stage, ttl=1.2):
+        with writing_to(path, stage, ttl=1.2) as mirror:
+            mirror.arm()
             write(stage, total, bursts)
     else:
         write(path, total, bursts)
