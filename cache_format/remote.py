@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -101,7 +102,16 @@ def default_local(url: str, root: str | os.PathLike = "") -> Path:
 
 
 def _brief(e: Exception) -> str:
-    return " ".join(str(e).split())[:200] or type(e).__name__
+    """An object-store error in one line: the server's own code and reason where its answer carries
+    them (an S3 XML error body, e.g. "NoSuchBucket: The specified bucket does not exist"), else the
+    first 200 characters of the client's text."""
+    text = str(e)
+    code, why = re.search(r"<Code>([^<]+)</Code>", text), re.search(r"<Message>([^<]+)</Message>", text)
+    if code:
+        status = re.search(r"status code: (\d{3}[^:<]*)", text)
+        return f"{code.group(1)}: {why.group(1) if why else ''}".rstrip(": ") + \
+            (f" (HTTP {status.group(1).strip()})" if status else "")
+    return " ".join(text.split())[:200] or type(e).__name__
 
 
 # The per-token arrays (cache_format.layout): their chunk files are the shard data, fetched on use.

@@ -326,3 +326,14 @@ def test_a_rerun_on_the_same_stage_resumes_a_writer_whose_commits_never_went_up(
         mirror.arm()  # the stage checked (extraction arms it once its store is created or checked)
     remote = {o["path"] for b in obstore.list(open_bucket(url)) for o in b}
     assert "commits/w00001.jsonl" in remote and any(k.startswith("w00001/") for k in remote)
+
+
+def test_a_missing_bucket_is_named_with_the_servers_reason(object_server):
+    url = object_server()  # the server is up; a bucket of another name was never made
+    missing = "s3://no-such-bucket-here/store"
+    assert url != missing
+    with pytest.raises(CacheFormatError) as got:
+        Lease(missing, ttl=2).acquire(wait=0)
+    msg = str(got.value)
+    assert msg.startswith(f"{missing}: cannot take the writing lease (NoSuchBucket: The specified bucket does not exist")
+    assert "\n" not in msg and "Debug source" not in msg
