@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 import torch
 from safetensors.torch import load_file, save_file
 
+from runtime.cli import config_command
 from train.model import DrafterConfig
 
-__all__ = ["SERVED_FILES", "export_config", "export_run", "from_export_names", "hf_drafter", "to_export_names", "write_export"]
+__all__ = ["SERVED_FILES", "ExportConfig", "export_config", "export_run", "from_export_names", "hf_drafter",
+           "to_export_names", "write_export"]
 
 # the export's code: the modeling file AutoModel loads and the modules it imports (relative imports,
 # which transformers copies along with trust_remote_code)
@@ -222,19 +225,33 @@ def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[st
     return {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
 
-@click.command()
-@click.option("--run", required=True, help="Training run directory.")
-@click.option("--out", required=True, help="Export directory.")
-@click.option("--checkpoint", default="", help="'best', 'latest' or a checkpoint directory [default: best if the "
-              "run validated, else latest].")
-@click.option("--overwrite", is_flag=True, help="Replace a non-empty --out.")
-@click.option("--whole-head/--draft-head", default=True, show_default=True,
-              help="A drafter trained with --draft-vocab drafts from the target's whole lm_head when served (no "
-              "draft_ids in the export), or from its draft vocabulary only (--draft-head).")
-def main(run: str, out: str, checkpoint: str, overwrite: bool, whole_head: bool) -> None:
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """python -m train.export: one option per field (runtime.cli)."""
+
+    run: str
+    """Training run directory."""
+    out: str
+    """Export directory."""
+    checkpoint: str = ""
+    """'best', 'latest' or a checkpoint directory (empty: best if the run validated, else latest)."""
+    overwrite: bool = False
+    """Replace a non-empty --out."""
+    draft_head: bool = False
+    """A drafter trained with --draft-vocab drafts from its draft vocabulary only when served (draft_ids
+    in the export); by default it drafts from the target's whole lm_head (no draft_ids)."""
+
+    def __post_init__(self) -> None:
+        for name in ("run", "out"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"--{name} must name a directory")
+
+
+@config_command(ExportConfig)
+def main(cfg: ExportConfig) -> None:
     """Export a trained drafter for SGLang / vLLM (z-lab DFlash layout)."""
     try:
-        dst = export_run(run, out, checkpoint, overwrite=overwrite, whole_head=whole_head)
+        dst = export_run(cfg.run, cfg.out, cfg.checkpoint, overwrite=cfg.overwrite, whole_head=not cfg.draft_head)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"exported to {dst}")
