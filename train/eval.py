@@ -29,8 +29,10 @@ import click
 import torch
 from tqdm import tqdm
 
+from runtime.cli import config_command
 from train.acceptance import decode_chain, teacher_forced_accepts, vocab_rejections
 from train.checkpoint import load_checkpoint, resolve_checkpoint
+from train.eval_config import EvalConfig
 from train.eval_report import Tally, plot, summary, tau_so_far
 from train.export import as_whole_head, hf_drafter
 from train.spec_decode import target_generate
@@ -115,44 +117,49 @@ def _drafters(run: str, checkpoint: str, export: str, whole_head: bool = True) -
     return out, state, ck
 
 
-def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: str = "default", limit: int = 0,
-             max_new_tokens: int = 128, target: str = "", dtype: str = "float32",
-             teacher_forced: bool = False, prompt_lookup: bool = True, cuda_graph: bool = True,
-             whole_head: bool = True, tree_budget: str = "0", tree_width: int = 0) -> dict[str, Any]:
+def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     """τ of the checkpoint (float32 weights) and/or the export (bf16 weights, loaded as served);
-    with both, the export's figures sit under "export" beside the checkpoint's. teacher_forced:
-    also the acceptance at every anchor of the greedy output (see train.acceptance). prompt_lookup:
-    also transformers' prompt-lookup decoding as a second baseline (a third of an evaluation's time).
-    cuda_graph: False runs the drafter's side of each step eagerly on a GPU (to measure the graph).
-    whole_head: a checkpoint trained on a draft vocabulary drafts from the target's whole lm_head, as
-    its default export serves it (False: from its draft vocabulary, as trained). tree_budget: the
-    draft tree's node budget (0: the chain), or several, comma-separated: each prompt is decoded at
-    every budget against one greedy baseline; the figures are the first budget's, and `tree_curve`
-    holds every budget's. tree_width: at most this many tree nodes a depth (0: no cap)."""
-    from target.loader import chat_ids, eos_ids, load_target
+    with both, the export's figures sit under "export" beside the checkpoint's (EvalConfig says what
+    each option adds). With several tree budgets each prompt is decoded at every budget against one
+    greedy baseline; the figures are the first budget's, and `tree_curve` holds every budget's."""
+    from target.loader import eos_ids, load_target
 
-    if not run and not export:
-        raise ValueError("give --run (a training run), --export (an exported directory) or both")
-    budgets = tree_budgets(tree_budget)
-    if limit < 0 or max_new_tokens < 1:
-        raise ValueError(f"--limit must be >= 0 (0: all) and --max-new-tokens >= 1, got {limit} and {max_new_tokens}")
-    if tree_width < 0:
-        raise ValueError(f"--tree-width {tree_width}: must be >= 0")
-    drafters, state, ck = _drafters(run, checkpoint, export, whole_head)
-    if not (target or state):
-        target = _export_target(export)
+    budgets = list(cfg.tree_budget)
+    drafters, state, ck = _drafters(cfg.run, cfg.checkpoint, cfg.export, not cfg.draft_head)
+    target = cfg.target or ("" if state else _export_target(cfg.export))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tgt = load_target(target or state["target"], device=device, dtype=getattr(torch, dtype))
-    model, tok = tgt.model, tgt.tokenizer
+    tgt = load_target(target or state["target"], device=device, dtype=getattr(torch, cfg.dtype))
+    model = tgt.model
     for name, d in drafters.items():  # the export keeps its bf16 weights, as served
         d.to(device=device, dtype=model.dtype if name == "checkpoint" else torch.bfloat16).eval()
-    eos = eos_ids(tok, model)  # the tokenizer's and the generation config's, as regeneration stops
-
-    todo = _prompts(prompts, limit)
+    todo = _prompts(cfg.prompts, cfg.limit)
     if not todo:
-        raise ValueError(f"--prompts {prompts}: no prompts to evaluate")
+        raise ValueError(f"--prompts {cfg.prompts}: no prompts to evaluate")
     # one key per drafter and budget: the first budget's under the drafter's own name
     keys = {_key(name, b, budgets): (name, b) for name in drafters for b in budgets}
+    rows, hist, t = _decode_all(cfg, todo, drafters, keys, tgt.model, tgt.tokenizer, eos_ids(tgt.tokenizer, model),
+                                device)
+    res = {which: summary(rows[which], hist[which], t, which, drafters[name], model, device,
+                          prompt_lookup=cfg.prompt_lookup, teacher_forced=cfg.teacher_forced and budget == 0,
+                          cuda_graph=cfg.cuda_graph)
+           for which, (name, budget) in keys.items()}
+    for name in drafters:
+        res[name].update(tree_budget=budgets[0], tree_width=cfg.tree_width)
+        if len(budgets) > 1:
+            res[name]["tree_curve"] = {str(b): _curve_point(res[_key(name, b, budgets)]) for b in budgets}
+    if "checkpoint" in res:
+        out = {**res["checkpoint"], "checkpoint": ck, "whole_head": not cfg.draft_head}
+        if "export" in res:
+            out["export"] = {**{k: v for k, v in res["export"].items() if k != "prompts"}, "path": cfg.export}
+        return out
+    return {**res["export"], "export_path": cfg.export}
+
+
+def _decode_all(cfg: EvalConfig, todo, drafters: dict, keys: dict, model, tok, eos, device):
+    """Every prompt decoded greedily by the target alone (the baseline), by each drafter at each
+    budget, and by prompt lookup where asked: (rows by key, acceptance histograms by key, Tally)."""
+    from target.loader import chat_ids
+
     rows: dict[str, list] = {k: [] for k in keys}
     hist = {k: Counter() for k in keys}
     t = Tally(spec_s=dict.fromkeys(keys, 0.0))
@@ -161,16 +168,17 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
              for k, (n, _) in keys.items()}
     # prompts done, τ so far and the time left, on stderr (a CPU evaluation of 48 prompts takes an hour)
     bar = tqdm(todo, desc=f"eval on {device.type}", unit="prompt", file=sys.stderr, dynamic_ncols=True)
+    n = cfg.max_new_tokens
     for name, msgs in bar:
-        ids = chat_ids(tok, _answer_earlier_turns(model, tok, msgs, max_new_tokens=max_new_tokens, eos=set(eos)))
-        base = target_generate(model, ids, max_new_tokens=max_new_tokens, eos=set(eos))
+        ids = chat_ids(tok, _answer_earlier_turns(model, tok, msgs, max_new_tokens=n, eos=set(eos)))
+        base = target_generate(model, ids, max_new_tokens=n, eos=set(eos))
         t.base_s, t.base_fw = t.base_s + base.seconds, t.base_fw + base.target_forwards
         for which, (dname, budget) in keys.items():
             drafter = drafters[dname]
             t0 = time.perf_counter()
-            spec = drafter.spec_generate(model, torch.tensor([ids], device=device), max_new_tokens=max_new_tokens,
-                                         eos_token_id=eos, tree_budget=budget, tree_width=tree_width,
-                                         **({} if cuda_graph else {"cuda_graph": False}))
+            spec = drafter.spec_generate(model, torch.tensor([ids], device=device), max_new_tokens=n, eos_token_id=eos,
+                                         tree_budget=budget, tree_width=cfg.tree_width,
+                                         **({} if cfg.cuda_graph else {"cuda_graph": False}))
             t.spec_s[which] += time.perf_counter() - t0
             new = spec["sequences"][0, len(ids):].tolist()
             hist[which].update(spec["accepted"])
@@ -181,38 +189,14 @@ def evaluate(*, run: str = "", checkpoint: str = "", export: str = "", prompts: 
                                 else sum(x in vocab[which] for x in base.tokens)})
             rej = vocab_rejections(spec["accepted"], new, vocab[which], drafter.block_size)
             rows[which][-1].update(rejections=rej[0], rejections_outside_vocab=rej[1])
-            if teacher_forced and budget == 0:
+            if cfg.teacher_forced and budget == 0:
                 rows[which][-1].update(_teacher_forced_row(drafter, model, ids, base.tokens, spec["accepted"]))
-        pl_new, pl_fw = _prompt_lookup(model, tok, ids, t, max_new_tokens=max_new_tokens, eos=eos) if prompt_lookup \
-            else (0, 0)
+        pl_new, pl_fw = _prompt_lookup(model, tok, ids, t, max_new_tokens=n, eos=eos) if cfg.prompt_lookup else (0, 0)
         for r in rows.values():
             r[-1].update(prompt_lookup_new_tokens=pl_new, prompt_lookup_target_forwards=pl_fw)
         bar.set_postfix({f"tau_{k}" if len(rows) > 1 else "tau": f"{tau_so_far(r):.2f}" for k, r in rows.items()})
     bar.close()
-    res = {which: summary(rows[which], hist[which], t, which, drafters[name], model, device, prompt_lookup=prompt_lookup,
-                          teacher_forced=teacher_forced and budget == 0, cuda_graph=cuda_graph)
-           for which, (name, budget) in keys.items()}
-    for name in drafters:
-        res[name].update(tree_budget=budgets[0], tree_width=tree_width)
-        if len(budgets) > 1:
-            res[name]["tree_curve"] = {str(b): _curve_point(res[_key(name, b, budgets)]) for b in budgets}
-    if "checkpoint" in res:
-        out = {**res["checkpoint"], "checkpoint": ck, "whole_head": whole_head}
-        if "export" in res:
-            out["export"] = {**{k: v for k, v in res["export"].items() if k != "prompts"}, "path": export}
-        return out
-    return {**res["export"], "export_path": export}
-
-
-def tree_budgets(spec: str) -> list[int]:
-    """--tree-budget "0" or "0,8,32" -> [0, 8, 32]: non-negative, distinct, at least one."""
-    try:
-        out = [int(x) for x in str(spec).split(",")]
-    except ValueError:
-        raise ValueError(f"--tree-budget {spec}: not an integer or comma-separated integers") from None
-    if not out or min(out) < 0 or len(set(out)) != len(out):
-        raise ValueError(f"--tree-budget {spec}: budgets must be distinct integers >= 0 (0: the chain)")
-    return out
+    return rows, hist, t
 
 
 def _key(name: str, budget: int, budgets: list[int]) -> str:
@@ -274,43 +258,16 @@ def _teacher_forced_row(drafter, target, prompt: list[int], new: list[int], deco
 
 
 
-@click.command()
-@click.option("--run", default="", help="Training run directory (its checkpoint is evaluated).")
-@click.option("--checkpoint", default="", help="'best' (best held-out decoding τ), 'latest' (newest step-N) or a "
-              "checkpoint directory [default: best if the run validated, else latest].")
-@click.option("--export", default="", help="An exported directory: evaluated as served (bf16 weights, loaded by "
-              "AutoModel with trust_remote_code), beside the checkpoint when --run is given too.")
-@click.option("--prompts", default="default", help="'default' (held-out GSM8K slice, HumanEval, chat set, the "
-              "domains interleaved: --limit 48 is the test), 'validation' (the held-out prompts past each domain's "
-              "first 16: none of the test's), 'multiturn' (24 two-turn chats: τ of the second turn, after the "
-              "target's own first answer) or a JSONL (multi-turn conversations: τ of the last turn).")
-@click.option("--limit", default=0, help="Evaluate only the first N prompts (0 = all).")
-@click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--target", default="", help="Override the target path recorded in the run.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
-              help="Target dtype; the lossless check is exact only in float32 (bf16 argmax ties flip).")
-@click.option("--teacher-forced", is_flag=True, help="Also draft at every anchor of the target's greedy output: "
-              "sim_tau's counterpart on these prompts, and the decode it implies (train.acceptance).")
-@click.option("--prompt-lookup/--no-prompt-lookup", default=True, show_default=True,
-              help="Also run transformers' prompt-lookup decoding as a second baseline (a third of the time).")
-@click.option("--cuda-graph/--no-cuda-graph", default=True, show_default=True,
-              help="On a GPU, replay the drafter's side of each step as one CUDA graph (off: eager, to compare).")
-@click.option("--whole-head/--draft-head", default=True, show_default=True,
-              help="A --run checkpoint trained on a draft vocabulary drafts from the target's whole lm_head (as "
-              "train.export serves it) or from its draft vocabulary only.")
-@click.option("--tree-budget", default="0", show_default=True,
-              help="Draft-tree node budget (0: the chain), or several comma-separated (e.g. 0,8,32,64): each "
-              "prompt decoded at every budget against one greedy baseline; tree_curve holds each budget's figures.")
-@click.option("--tree-width", default=0, show_default=True, help="At most this many tree nodes a depth (0: no cap).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def main(as_json: bool, **kw) -> None:
+@config_command(EvalConfig, extra=(click.Option(["--json", "as_json"], is_flag=True,
+                                                help="Print one JSON object."),))
+def main(cfg: EvalConfig, as_json: bool) -> None:
     """Speculative decoding with the drafter against the real target: τ, speedup, lossless."""
     try:
-        res = evaluate(**kw)
+        res = evaluate(cfg)
     except (ValueError, OSError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    out = Path(kw["run"] or kw["export"])
+    out = Path(cfg.run or cfg.export)
     (out / "eval.json").write_text(json.dumps(res, indent=2))
     plot(res, out / "acceptance.png")
     if as_json:

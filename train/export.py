@@ -17,6 +17,7 @@ layer, so it reads `eagle_aux_hidden_state_layer_ids`, the same ids + 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -245,6 +246,9 @@ class ExportConfig:
         for name in ("run", "out"):
             if not getattr(self, name).strip():
                 raise ValueError(f"--{name} must name a directory")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @config_command(ExportConfig)

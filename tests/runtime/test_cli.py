@@ -16,12 +16,15 @@ from extract.regenerate.config import RegenConfig
 from runtime.cli import field_docs, load_config_file, to_toml
 from train.__main__ import main as train_main
 from train.config import TrainConfig
+from train.eval import main as eval_main
+from train.eval_config import EvalConfig
 from train.export import ExportConfig
 from train.export import main as export_main
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {"extract": (extract_main, ExtractConfig), "train": (train_main, TrainConfig),
-            "regenerate": (regen_main, RegenConfig), "export": (export_main, ExportConfig)}
+            "regenerate": (regen_main, RegenConfig), "export": (export_main, ExportConfig),
+            "eval": (eval_main, EvalConfig)}
 
 
 def _resolved(cmd, *args) -> dict:

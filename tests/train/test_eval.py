@@ -125,7 +125,9 @@ def test_a_bad_limit_is_refused_in_one_line_before_anything_is_written(trained, 
     _, prompts, run = trained
     before = sorted(p.name for p in Path(run).iterdir())
     out = CliRunner().invoke(eval_main, ["--run", run, "--prompts", prompts, flag, value])
-    assert out.exit_code == 2 and flag in out.output and "Traceback" not in out.output, out.output
+    field = flag.lstrip("-").replace("-", "_")  # the config field's name (or its flag's)
+    assert out.exit_code == 2 and (flag in out.output or field in out.output), out.output
+    assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
     assert sorted(p.name for p in Path(run).iterdir()) == before
 
 
