@@ -175,10 +175,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     [B, N] are the blocks' anchor positions and response spans, needed for the anchor weights and
     for `replay` (the accepted drafts per block, returned as "accepts").
 
-    bias_rows [B, Q, r] and bias_head [V, r] (a Markov head, train.markov_head: each slot's embedded
-    previous token and the trained map onto the logits) add bias_rows @ bias_head.T to the logits;
-    the head is trained, so the "fused" backward (which makes no gradient for the head) runs as
-    "recompute".
+    bias_rows [B, Q, r], bias_head [V, r]: a Markov head (train.markov_head) adds bias_rows @ bias_head.T
+    to the logits; "fused" then runs as "recompute" (it makes no gradient for the head).
     """
     if backward not in LOSS_BACKWARDS:
         raise ValueError(f"backward must be one of {LOSS_BACKWARDS}, got {backward!r}")
@@ -198,11 +196,10 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
         raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state (extract with --last-hidden)")
     if bias_rows is not None:
         rows, lm_head, tea = _with_head(rows, lm_head, tea, bias_rows[keep], bias_head)
-        backward = "recompute" if backward == "fused" else backward  # the fused path trains no head
+        backward = "recompute" if backward == "fused" else backward
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence, chunk, backward, compiled)
     hit = hit & in_vocab
-    weighting = weighting or Weighting()
-    dense = None
+    weighting, dense = weighting or Weighting(), None
     if replay or weighting.decode_aware:
         dense = torch.zeros(b, q, dtype=torch.bool, device=hidden.device).masked_scatter_(keep, hit)
         dense = dense.view(b, q // block_size, block_size)  # [B, N, bs]
