@@ -9,7 +9,7 @@ from typing import Any
 
 from cache_format.errors import CacheFormatError
 
-__all__ = ["committed_rows", "parse_commit_lines", "read_commit_log"]
+__all__ = ["committed_rows", "cut_torn_line", "parse_commit_lines", "read_commit_log"]
 
 
 def read_commit_log(path: str | os.PathLike, *, repair: bool = False,
@@ -28,10 +28,19 @@ def read_commit_log(path: str | os.PathLike, *, repair: bool = False,
         data = f.read()
     cut = data.rfind(b"\n") + 1
     entries = parse_commit_lines(data[:cut], str(path))
-    if repair and cut < len(data):
+    if repair:
+        cut_torn_line(path, data, start)
+    return entries, start + cut
+
+
+def cut_torn_line(path: str | os.PathLike, data: bytes, start: int = 0) -> None:
+    """Cut a last line without its newline (a crash mid-append) off the append-only file `path`,
+    whose bytes from `start` are `data`, so the next append starts on a line of its own (the
+    stores' done-logs and regeneration outputs alike)."""
+    cut = data.rfind(b"\n") + 1
+    if cut < len(data):
         with open(path, "r+b") as f:
             f.truncate(start + cut)
-    return entries, start + cut
 
 
 def parse_commit_lines(data: bytes, where: str) -> list[dict[str, Any]]:

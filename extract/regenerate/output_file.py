@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cache_format.logs import cut_torn_line
 from chat.conversations import history
 from extract.regenerate.config import RegenConfig
 from extract.regenerate.turns import TurnLog, conversation_key
@@ -129,7 +130,4 @@ def done_pairs(out: Path, keys: list[str] | None, num_samples: int) -> set[tuple
 
 def drop_torn_tail(path: Path) -> None:
     """Cut a last line without its newline (a run killed mid-write) so appends start on a fresh line."""
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
+    cut_torn_line(path, path.read_bytes())
