@@ -245,8 +245,8 @@ def test_an_empty_prompt_file_is_an_error_not_zero_written(tmp_path):
 def test_answers_that_repeat_themselves_are_counted(tmp_path, capsys):
     """The closing line and the summary count the written answers that loop (extract.regenerate.loops)."""
     from chat.conversations import segments
-    from extract.regenerate.output_file import write_results as _write
     from extract.regenerate.config import RegenConfig
+    from extract.regenerate.output_file import write_results as _write
     from extract.regenerate.turns import TurnLog, conversation_key
 
     convs = [[{"role": "user", "content": "q1"}], [{"role": "user", "content": "q2"}]]
