@@ -45,7 +45,7 @@ def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
         (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1))
     except Exception as e:  # noqa: BLE001 - a full disk reaches us as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"the checkpoint could not be written: {write_failure(e, tmp)}; "
+        raise ValueError(f"the checkpoint could not be written: {write_failure(e, root / name)}; "
                          "the earlier checkpoints are untouched") from None
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
