@@ -53,9 +53,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
     holds the bits, "hidden_scale" the scales), which halves the copy (fp8) or more and keeps the
     host free of float maths.
     On a GPU the quantization runs on the copy's side stream (quant_beside), so the next forward
-    overlaps it as it overlaps the copy (with it on the compute stream, extraction into an mxfp4 store
-    ran at 93.5% of the bare forward: docs/BENCHMARKS.md); quant_beside=False keeps it there, for
-    comparisons.
+    overlaps it as it overlaps the copy; quant_beside=False keeps it on the compute stream (to compare).
     No writers (and no ring) runs the bare forward: same hooks, concatenation and finiteness
     check, no host copy, no store. Without last_hidden the stack stops at the last tap
     (stop_at_last_tap=False runs every layer, as before; for comparisons).
