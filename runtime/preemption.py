@@ -1,0 +1,60 @@
+"""Preemption: SIGTERM and SIGINT noted instead of ending the process, so a loop stops at a point of
+its choosing with its work saved (train at a log step, regeneration after a record). Shared by the
+stages; schedulers preempt with SIGTERM."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+__all__ = ["Preemption"]
+
+
+class Preemption:
+    """SIGTERM and SIGINT noted instead of killing the process, while the context is open: the loop
+    stops at its next log step and saves a checkpoint (schedulers preempt with SIGTERM). A second
+    signal of either kind ends the process at once, as the default would.
+
+    `stopping` is shared with the DataLoader workers forked meanwhile (their `worker_init`): a worker
+    signalled with the process group stays alive while the main process is stopping at a step
+    boundary (it shuts the workers down then), and dies as usual otherwise (when the main process
+    ends its workers itself, or is gone)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.stopping = multiprocessing.Value("b", 0, lock=False)
+        self._old: dict[int, object] = {}
+
+    def _note(self, signum: int, _frame) -> None:
+        if self.signum is not None:  # asked twice: go now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+        self.stopping.value = 1
+
+    def __enter__(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():  # elsewhere Python sends no signals
+            for s in self.SIGNALS:
+                self._old[s] = signal.signal(s, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.value = 0  # workers still alive at exit may now be ended by a signal
+        for s, old in self._old.items():
+            signal.signal(s, old)
+
+    def worker_init(self, _worker_id: int) -> None:
+        """A DataLoader worker's init: SIGTERM and SIGINT follow `stopping` (class docstring)."""
+        for s in self.SIGNALS:
+            signal.signal(s, self._worker_signal)
+
+    def _worker_signal(self, signum: int, _frame) -> None:
+        time.sleep(0.2)  # the main process, signalled with the group, marks `stopping` first
+        if not self.stopping.value:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
