@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 
 import click
@@ -28,9 +29,14 @@ def main(cfg: RegenConfig, recipe: str, recipe_samples: int, recipe_long_tokens:
             kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}
             build_recipe(recipe, out_dir=cfg.out, samples=recipe_samples, long_tokens=recipe_long_tokens, **kw)
             return
-        res = regenerate(cfg)
+        res = regenerate(cfg, preemptible=True)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    if res.stopped_by_signal:  # the shell's code for that signal: a scheduler requeues the job
+        name = signal.Signals(res.stopped_by_signal).name
+        click.echo(f"stopped by {name} after writing {res.written} conversations to {cfg.out}: rerun the same "
+                   "command to go on")
+        sys.exit(128 + res.stopped_by_signal)
     click.echo(f"wrote {res.written} conversations to {cfg.out}")
     if res.failed:  # nothing is dropped silently: the errors file lists them, a rerun retries them
         click.echo(f"error: {res.failed} requests failed; see {cfg.out}.errors.jsonl and rerun to retry them", err=True)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -22,22 +23,28 @@ from extract.regenerate.openai_client import server_results
 from extract.regenerate.output_file import RegenSummary, done_pairs, write_results
 from extract.regenerate.sampling import request_key
 from extract.regenerate.turns import TurnLog, conversation_key, turn_key
+from runtime.preemption import Preemption
 from target.loader import chat_ids, eos_ids
 
 __all__ = ["RegenConfig", "RegenSummary", "hf_tokens", "pre_query_text", "regenerate"]
 
 
-def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, **kw) -> RegenSummary:
+def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, preemptible: bool = False, **kw) -> RegenSummary:
     """Append generated conversations to cfg.out; returns what was written now.
 
     Takes a RegenConfig, or its fields as keywords (`shard` as an (i, n) tuple). `loaded`: a
-    target.loader.LoadedTarget already in memory (several runs, one load).
+    target.loader.LoadedTarget already in memory (several runs, one load). `preemptible`: SIGTERM and
+    SIGINT stop the run after its last whole record (`stopped_by_signal` in the summary).
     """
     cfg = cfg or RegenConfig(**kw)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    with StoreLock(cfg.out, what="regeneration output"):  # two runs appending to one file would interleave
+    # preemptible: SIGTERM or SIGINT stop the run after its last whole record (a rerun goes on from there);
+    # else they end the process as usual (a caller that goes on with the output must not get half of it)
+    preempt = Preemption()
+    with StoreLock(cfg.out, what="regeneration output"), (preempt if preemptible else contextlib.nullcontext()):
         _check_recorded_options(cfg)
-        res = _regenerate(cfg, loaded)
+        res = _regenerate(cfg, loaded, lambda: preempt.signum is not None)
+        res = dataclasses.replace(res, stopped_by_signal=preempt.signum or 0)
     # what made the output, beside it: extraction refuses to render it with other template options
     summary = {"chat_template_kwargs": cfg.template_kwargs, "turns": cfg.turns, "config": cfg.to_dict(),
                "last_run": dataclasses.asdict(res)}
@@ -73,7 +80,7 @@ def _check_recorded_options(cfg: RegenConfig) -> None:
                          "recorded ones to go on, or write to another --out")
 
 
-def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
+def _regenerate(cfg: RegenConfig, loaded, stop) -> RegenSummary:
     from chat.conversations import read_conversations
     from chat.prompts import train_prompts
 
@@ -98,13 +105,13 @@ def _regenerate(cfg: RegenConfig, loaded) -> RegenSummary:
             opening = pre_query_text(_tokenizer_only(cfg.target)) + cfg.invent_prefix
             results = server_results(cfg, opening, [(job, None, request_key(cfg.seed, *job)) for job in
                                                      _todo(cfg, [len(opening)] * cfg.invent, 1, done)])
-            return write_results(cfg, out, segs, results)
+            return write_results(cfg, out, segs, results, stop=stop)
         first = _todo(cfg, [sum(len(m["content"]) for m in s[0]) if s else 0 for s in segs], num_samples, done)
-        return _rounds(cfg, out, segs, keys, done, first, lambda reqs, turn: server_results(cfg, "", reqs))
+        return _rounds(cfg, out, segs, keys, done, first, lambda reqs, turn: server_results(cfg, "", reqs), stop)
     local = _local_target(cfg, loaded)
     if cfg.invent:
-        return write_results(cfg, out, segs, _invented_locally(cfg, local, done))
-    return _answer_locally(cfg, local, out, segs, keys, done, num_samples)
+        return write_results(cfg, out, segs, _invented_locally(cfg, local, done), stop=stop)
+    return _answer_locally(cfg, local, out, segs, keys, done, num_samples, stop)
 
 
 class _Local(NamedTuple):
@@ -147,7 +154,8 @@ def _invented_locally(cfg: RegenConfig, lo: _Local, done: set):
                                                    for job in todo], lo.eos, lo.batch)
 
 
-def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: set, num_samples: int) -> RegenSummary:
+def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: set, num_samples: int,
+                    stop) -> RegenSummary:
     """Every turn of the conversations answered by the target in process (static engine or HF generate)."""
     def ids_of(msgs: list[dict]) -> list[int]:
         return chat_ids(lo.tok, msgs, cfg.template_kwargs)
@@ -184,7 +192,7 @@ def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: s
             flat = _hf_results(dataclasses.replace(cfg, shard=(0, 1)), lo.model, lo.tok, [ids for _, ids, _ in fit],
                                1, set(), lo.eos, lo.batch, lo.device)
             return ((fit[p][0], text, n, a) for (p, _), text, n, a in flat)
-    res = _rounds(cfg, out, segs, keys, done, first, generate)
+    res = _rounds(cfg, out, segs, keys, done, first, generate, stop)
     if too_long:
         print(f"{len(too_long)} conversations not answered: a prompt of {context} tokens or more (the target's "
               "context) leaves no room for a reply", file=sys.stderr)
@@ -192,7 +200,7 @@ def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: s
 
 
 def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], keys: list[str], done: set, first,
-            generate) -> RegenSummary:
+            generate, stop=lambda: False) -> RegenSummary:
     """Answer every turn of the unfinished conversations, one round per turn (extract/regenerate/turns.py);
     keys: each conversation's content key (the turn log's names for them).
 
@@ -209,10 +217,10 @@ def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], keys: lis
     finished: set[tuple[int, int]] = set()
     for turn in range(max((len(segs[i]) for i, _ in started), default=0)):
         todo = [j for j in started if len(log.of(j)) == turn < len(segs[j[0]])]
-        if not todo:
+        if not todo or stop():
             continue
         reqs = [(j, history(segs[j[0]], log.of(j)), turn_key(cfg.seed, *j, turn)) for j in todo]
-        s = write_results(cfg, out, segs, generate(reqs, turn), log, finished)
+        s = write_results(cfg, out, segs, generate(reqs, turn), log, finished, stop=stop)
         summary = RegenSummary(*(a + b for a, b in zip(dataclasses.astuple(summary), dataclasses.astuple(s))))
     # the log is kept while a conversation it holds is unfinished (a failed request: a rerun goes on)
     log.close(finished=all(j in finished or j in done for j, a in log.answers.items() if a))

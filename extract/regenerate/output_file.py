@@ -33,10 +33,12 @@ class RegenSummary:
     """Conversations not answered: their prompt is as long as the target's context or longer (in-process)."""
     looping: int = 0
     """Written conversations whose last answer repeats itself (extract.regenerate.loops.loop_start)."""
+    stopped_by_signal: int = 0
+    """The signal (SIGTERM, SIGINT) that stopped the run after its last whole record; 0: not stopped."""
 
 
 def write_results(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = None,
-           finished: set | None = None) -> RegenSummary:
+                  finished: set | None = None, stop=lambda: False) -> RegenSummary:
     """Append a record per finished conversation, an answered turn of an unfinished one to the turn
     log (fsync both every 2 s and at the end); progress and a closing summary."""
     from tqdm import tqdm
@@ -45,7 +47,7 @@ def write_results(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | Non
     bar = tqdm(unit="req", desc="regenerate", mininterval=2.0, file=sys.stderr, disable=None)
     try:
         with open(out, "a", encoding="utf-8") as f:
-            written, failed, tokens, retried, looping = _append(cfg, f, segs, results, log, finished, bar, t0)
+            written, failed, tokens, retried, looping = _append(cfg, f, segs, results, log, finished, bar, t0, stop)
     except OSError as e:  # a full disk or a size limit: the file named, what was fsynced stays
         if e.errno not in WRITE_LIMITS:
             raise
@@ -64,14 +66,17 @@ def write_results(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | Non
     return RegenSummary(written, failed, retried, tokens, s, looping=looping)
 
 
-def _append(cfg: RegenConfig, f, segs, results, log, finished, bar, t0: float) -> tuple[int, int, int, int, int]:
-    """Write each finished conversation's record to f (fsync every 2 s and at the end): the counts
-    (written, failed, new tokens, retried, looping)."""
+def _append(cfg: RegenConfig, f, segs, results, log, finished, bar, t0: float,
+            stop) -> tuple[int, int, int, int, int]:
+    """Write each finished conversation's record to f (fsync every 2 s and at the end) until the
+    results end or `stop()` says to: the counts (written, failed, new tokens, retried, looping)."""
     from extract.regenerate.loops import loop_start
 
     written = failed = tokens = retried = looping = 0
     last_sync = t0
     for (i, k), text, n, attempts in results:
+        if stop():  # preempted: what is written is whole; the result in hand is answered again by a rerun
+            break
         bar.update(1)
         retried += attempts > 1
         tokens += n

@@ -272,3 +272,36 @@ def test_a_rerun_with_other_options_is_refused_and_leaves_the_output_as_it_was(t
     assert (out.read_bytes(), (tmp_path / "o.jsonl.summary.json").read_bytes()) == before
     # scheduling options may change: a rerun with another batch size goes on (nothing is missing)
     assert regenerate(out=str(out), chat_template_kwargs='{"mode": "brief"}', batch_size=2, **kw).written == 0
+
+
+def test_sigterm_stops_after_the_last_whole_record_and_a_rerun_goes_on(tmp_path):
+    """A scheduler's SIGTERM: the run stops with the shell's code for it (143), the output holds whole
+    records only, and the same command again writes exactly what is missing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    target = tiny_target_dir(tmp_path / "t", "llama")
+    prompts = write_chats(tmp_path / "p.jsonl", 40)
+    out = tmp_path / "o.jsonl"
+    cmd = [sys.executable, "-m", "extract.regenerate", "--target", target, "--prompts", prompts, "--out", str(out),
+           "--max-new-tokens", "48", "--batch-size", "1"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None and (not out.exists() or out.read_text().count("\n") < 3):
+        time.sleep(0.05)
+    assert p.poll() is None, "regeneration finished before it could be signalled"
+    p.send_signal(signal.SIGTERM)
+    text, _ = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, text
+    assert "stopped by SIGTERM" in text and "rerun the same command" in text
+    first = _records(out)  # every line whole: json.loads of each
+    assert 3 <= len(first) < 40
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    lines = out.read_text(encoding="utf-8").split("\n")[:-1]  # not splitlines: answers may hold U+2028
+    done = _records(out)
+    assert len(lines) == len(done) == 40 and all(done[k] == v for k, v in first.items())
