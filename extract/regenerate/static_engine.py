@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from extract.plan import token_budget_batches
 from extract.regenerate.sampling import choose_next
+from target.loader import decoder_parts
 
 __all__ = ["Request", "StaticEngine", "flash_decode", "flash_unsupported", "supports"]
 
@@ -108,8 +109,8 @@ class StaticEngine:
         self.model, self.batch, self.max_new = model, batch, max_new_tokens
         self.sample = dict(temperature=temperature, top_k=top_k, top_p=top_p)
         self.sync_every, self.prefill_tokens = sync_every, prefill_tokens
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.embed, self.layers, self.norm = base.embed_tokens, base.layers, base.norm
+        base, self.layers, self.norm = decoder_parts(model)
+        self.embed = base.embed_tokens
         self.rotary, self.head = base.rotary_emb, model.get_output_embeddings()
         attn = self.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
