@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -30,7 +31,7 @@ def main(cfg: ExtractConfig, as_json: bool) -> None:
     try:
         summary = run(cfg)
     except (CacheFormatError, ValueError, OSError) as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {_named(cfg, e)}", err=True)
         sys.exit(2)
     if not summary:
         return
@@ -46,6 +47,19 @@ def main(cfg: ExtractConfig, as_json: bool) -> None:
     click.echo(f"tokens {summary['tokens_now']:,} at [{rates}] tok/s per rank; layers {summary['layer_ids']}")
     click.echo(f"bytes/token {summary['bytes_per_token']:,.0f}; store {summary['store_bytes'] / 2**20:,.1f} MiB; "
                f"buckets {summary['buckets']}; wall {summary['wall_s']:.1f}s")
+
+
+def _named(cfg: ExtractConfig, e: Exception) -> str:
+    """The error, or what caused it where zarr only says a node is missing: the store's directory (the
+    staging directory of a store written to a URL) removed while the run wrote it."""
+    from zarr.errors import NodeNotFoundError
+
+    from cache_format.remote import default_local, is_url
+
+    where = Path(cfg.stage_dir or default_local(cfg.store)) if is_url(cfg.store) else Path(cfg.store)
+    if isinstance(e, NodeNotFoundError) and not (where / "zarr.json").exists():
+        return f"{where}: the store's directory was removed while this run wrote it ({' '.join(str(e).split())[:120]})"
+    return str(e)
 
 
 if __name__ == "__main__":

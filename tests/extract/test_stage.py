@@ -32,3 +32,27 @@ def test_a_stage_left_by_another_stores_run_is_refused_before_anything_is_pushed
     # the same URL then takes a fresh stage and the new data, as if nothing had happened
     run(dataclasses.replace(cfg, stage_dir=str(tmp_path / "fresh")))
     assert StoreReader(url).finalized and len(StoreReader(url)) > 0
+
+
+def test_a_store_directory_removed_mid_run_is_named_not_zarrs_missing_node(tmp_path, monkeypatch):
+    import shutil
+
+    from click.testing import CliRunner
+    from zarr.errors import GroupNotFoundError
+
+    import extract.run
+    from extract.__main__ import main
+
+    store = tmp_path / "s.zarr"
+
+    def removed_meanwhile(cfg, **kw):  # the run's store goes away under it; zarr then finds no group
+        store.mkdir()
+        (store / "zarr.json").write_text("{}")
+        shutil.rmtree(store)
+        raise GroupNotFoundError(str(store), "")
+
+    monkeypatch.setattr(extract.run, "run", removed_meanwhile)
+    out = CliRunner().invoke(main, ["--store", str(store), "--data", "x.jsonl"])
+    assert out.exit_code == 2
+    assert out.output.startswith(f"error: {store}: the store's directory was removed while this run wrote it")
+    assert len(out.output.strip().splitlines()) == 1
