@@ -16,7 +16,7 @@
 #   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
 # The export that `pack` brings back is evaluated anywhere (as served: bf16 weights through AutoModel):
 #   mkdir E && cat export.safetensors.part-* > E/model.safetensors && cp export_config.json E/config.json
-#   cp train/modeling_dflash.py train/decoding_state.py train/draft_tree.py E/ && python -m train.eval --export E --target GGUF --limit 48 --max-new-tokens 96
+#   cp train/modeling_dflash.py train/decoding_state.py train/draft_tree.py train/markov_head.py E/ && python -m train.eval --export E --target GGUF --limit 48 --max-new-tokens 96
 # The options are those of configs/smollm2-h200/ (extract.toml, train.toml); the environment overrides a few.
 # Settings (environment): DATA (default: docs/results/recipe-default-100k/train.jsonl.gz), W (work
 # dir, default /root/w), STORE (/dev/shm/scale.zarr), FRACTION (share of the 100K file to extract,
