@@ -87,7 +87,8 @@ def build_tree(logp: torch.Tensor, budget: int, root: torch.Tensor | int = 0, wi
     f = min(budget, width) if width > 0 else budget  # prefixes kept per depth
     k = min(child_cap, f) if child_cap > 0 and bias is not None else f  # children per parent
     logp = logp.float()
-    tv, ti = _best(logp, f)  # [..., D, F]: each slot's tokens, best first (the shared lists without a head)
+    # [..., D or 1, F]: each slot's tokens, best first; with a head only slot 1's list is shared by all
+    tv, ti = _best(logp if bias is None else logp[..., :1, :], f)
     scores, parent_slot, tokens = [tv[..., 0, :]], [torch.zeros_like(ti[..., 0, :])], [ti[..., 0, :]]
     for d in range(1, d_slots):  # depth d+1: the F best of F parents x K tokens, parents' order first
         if bias is None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["MarkovHead", "markov_chain"]
+__all__ = ["MarkovHead", "markov_chain", "tree_inputs"]
 
 
 class MarkovHead(nn.Module):
@@ -51,3 +51,14 @@ def markov_chain(logits: torch.Tensor, root: torch.Tensor, head: MarkovHead,
         prev = idx if draft_ids is None else draft_ids[idx]
         out.append(prev)
     return torch.stack(out)
+
+
+def tree_inputs(logits: torch.Tensor, root: torch.Tensor, head: MarkovHead, draft_ids: torch.Tensor | None = None):
+    """What draft_tree.build_tree takes for a drafter with the head: logits [..., D, N] of the block's
+    slots and root [...] (each block's first token, a target id) -> (log-probs [..., D, N], slot 1's
+    after the root; the bias: output rows [..., P] of the parents -> [..., P, N] logits of their
+    children). draft_ids [N]: the target id of each output row, None when N = V."""
+    logits = logits.float()
+    first = logits[..., :1, :] + head(root)[..., None, :].float()  # [..., 1, N]
+    logp = torch.log_softmax(torch.cat([first, logits[..., 1:, :]], -2), -1)
+    return logp, lambda t: head(t if draft_ids is None else draft_ids[t]).float()

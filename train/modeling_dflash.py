@@ -25,7 +25,7 @@ from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
 
 from .decoding_state import DecodingState, PhaseClock
-from .markov_head import MarkovHead, markov_chain
+from .markov_head import MarkovHead, markov_chain, tree_inputs
 
 __all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "cache_of", "cache_kwarg", "keep_cache_rows", "rope_cos_sin"]
 
@@ -214,10 +214,7 @@ class DFlashDraftModel(PreTrainedModel):
         Markov head, slot 1's log-probs are those after the root (0-d, a target id)."""
         if self.markov_head is None:
             return torch.log_softmax(logits.float(), -1), None
-        head, ids = self.markov_head, self.draft_ids
-        first = logits[:1].float() + head(root.reshape(1)).float()  # [1, V or N]
-        logp = torch.log_softmax(torch.cat([first, logits[1:].float()]), -1)
-        return logp, (lambda t: head(t if ids is None else ids[t]))  # t: output rows of the parents
+        return tree_inputs(logits, root, self.markov_head, self.draft_ids)
 
     @torch.inference_mode()
     def spec_generate(self, target, input_ids: torch.Tensor, *, max_new_tokens: int = 256,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from train.draft_tree import build_tree, walk_tree
+from train.markov_head import tree_inputs
 
 __all__ = ["anchor_spans", "block_accepts", "decode_visits", "reach_weights", "replay_counts", "tree_accepts",
            "visit_weights"]
@@ -56,17 +57,15 @@ def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tens
     # depth j of a tree asks for slot j+1's token (the root asks for slot 1); depth D asks for nothing
     asked = torch.cat([truth, truth.new_full((truth.shape[0], 1), -1)], 1)  # [M, D+1]
     head_w = lm_head.to(rows.dtype).T  # [H, V], cast once for every chunk
-    bias = root = None
     if head is not None:  # each chunk's conditional scores hold [chunk, F, V]: about 2^28 of them at most
         chunk = max(1, min(chunk, 2 ** 28 // (min(budget, width or budget) * lm_head.shape[0])))
-        root = roots.reshape(-1, block_size)[:, 0]  # [M]
-        bias = lambda t: head(t if draft_ids is None else draft_ids[t]).float()  # noqa: E731
+        root = roots.reshape(-1, block_size)[:, 0]  # [M]: each block's first token
     out = []
     for i in range(0, rows.shape[0], chunk):
-        logits = (rows[i:i + chunk] @ head_w).float()  # [c, D, V]
-        if head is not None:  # slot 1 after the block's own first token
-            logits[:, 0] += head(root[i:i + chunk]).float()
-        tree = build_tree(torch.log_softmax(logits, -1), budget, width=width, bias=bias)
+        logits = rows[i:i + chunk] @ head_w  # [c, D, V]
+        logp, bias = (torch.log_softmax(logits.float(), -1), None) if head is None else \
+            tree_inputs(logits, root[i:i + chunk], head, draft_ids)
+        tree = build_tree(logp, budget, width=width, bias=bias)
         want = asked[i:i + chunk].gather(1, tree.depths)  # [c, N+1]
         out.append(walk_tree(tree, want, d)[0])
     return torch.cat(out).view(b, q // block_size) if out else labels.new_zeros(b, 0)
