@@ -34,7 +34,7 @@ from train.export import as_whole_head, read_export
 from train.losses import Weighting, default_gamma
 from train.masks import use_flex_attention
 from train.model import DrafterConfig
-from train.start import build_drafter, check_creation_files, domain_groups
+from train.start import build_drafter, check_creation_files, domain_groups, load_drafter_weights
 from train.step import LossSettings, evaluate_holdout
 
 __all__ = ["replay_score"]
@@ -76,14 +76,8 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
     check_creation_files(reader, store)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_drafter(dc, reader.frozen(), weights.get("draft_ids"))
-    try:  # what train.eval and --init-from refuse, refused here too: a config that claims weights the file lacks
-        missing, unexpected = model.load_state_dict({k: v for k, v in weights.items() if k != "draft_ids"}, strict=False)
-    except RuntimeError as e:
-        raise ValueError(f"{what}: the weights do not fit its config ({str(e).splitlines()[-1].strip()})") from None
-    lacking = sorted({n for n, _ in model.named_parameters()} & set(missing))
-    if lacking or unexpected:
-        raise ValueError(f"{what}: its weights lack {lacking[:3]} or hold unknown {sorted(unexpected)[:3]} "
-                         "for the drafter its config describes")
+    # what --init-from refuses, refused here too: a config that claims weights the file lacks
+    load_drafter_weights(model, {k: v for k, v in weights.items() if k != "draft_ids"}, what)
     model = model.to(device=device, dtype=torch.float32)
     keep = np.isin(reader.sample_ids, samples) if samples else np.ones(len(reader.sample_ids), dtype=bool)
     unknown = sorted(set(samples) - set(reader.sample_ids.tolist()))

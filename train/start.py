@@ -26,9 +26,10 @@ from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
-__all__ = ["BEST_BY", "best_by", "best_state", "build_drafter", "check_creation_files", "check_resume", "check_same_vocab", "domain_groups",
-           "draft_vocab_of", "drafter_config", "initial_weights", "loss_settings", "open_store", "open_val_store",
-           "run_record", "start_from_weights", "target_layer_weights"]
+__all__ = ["BEST_BY", "best_by", "best_state", "build_drafter", "check_creation_files", "check_resume",
+           "check_same_vocab", "domain_groups", "draft_vocab_of", "drafter_config", "initial_weights",
+           "load_drafter_weights", "loss_settings", "open_store", "open_val_store", "run_record",
+           "start_from_weights", "target_layer_weights"]
 
 # The held-out figure the best checkpoint is kept by: decoding's τ replayed along the stored responses,
 # not the teacher-forced sim_tau, which weighs every anchor alike (decoding visits the hard ones).
@@ -111,14 +112,21 @@ def start_from_weights(model: DFlashDrafter, cfg: TrainConfig, dc: DrafterConfig
     # a drafter without a Markov head starts a run with one: the head starts as a new run's (adding nothing)
     new_head = set() if any(k.startswith("markov_head.") for k in weights) else \
         {n for n, _ in model.named_parameters() if n.startswith("markov_head.")}
+    load_drafter_weights(model, weights, what, complete=bool(cfg.init_from), may_lack=new_head)
+
+
+def load_drafter_weights(model: DFlashDrafter, weights: dict[str, torch.Tensor], what: str, *,
+                         complete: bool = True, may_lack: set[str] = frozenset()) -> None:
+    """Load `weights` into `model`: one ValueError naming `what` for a tensor of another shape, an
+    unknown tensor, or (`complete`) a trainable tensor the weights lack, but those in `may_lack`
+    (an export leaves out only frozen buffers; --init-layers fills the layers alone)."""
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as e:  # a shape that differs (another intermediate size, head layout)
         raise ValueError(f"{what}: the weights do not fit this drafter ({str(e).splitlines()[-1].strip()})") from None
-    params = {n for n, _ in model.named_parameters()}  # an export leaves out only frozen buffers
-    if unexpected or (cfg.init_from and (params & set(missing)) - new_head):
-        raise ValueError(f"{what}: weights missing {sorted((params & set(missing)) - new_head)[:3]} "
-                         f"or unknown {sorted(unexpected)[:3]}")
+    lacking = sorted(({n for n, _ in model.named_parameters()} & set(missing)) - may_lack) if complete else []
+    if unexpected or lacking:
+        raise ValueError(f"{what}: weights lack {lacking[:3]} or hold unknown {sorted(unexpected)[:3]}")
 
 
 def draft_vocab_of(n: int, reader: StoreReader, held: np.ndarray | None, vocab_size: int, *,
