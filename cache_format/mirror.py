@@ -133,15 +133,17 @@ class Mirror:
     """Copies a local store up to `url` in commit order (see the module doc), each file only when
     it changed since the last push."""
 
-    def __init__(self, local: str | os.PathLike, url: str, *, bucket=None, evict: bool = False) -> None:
+    def __init__(self, local: str | os.PathLike, url: str, *, bucket=None, evict: bool = False,
+                 armed: bool = True) -> None:
         """evict: delete the local files of settled shards (every row committed) once they and the
         done-log lines that commit them are on the server (the writer never reads or writes those
-        rows again), so the staging directory holds the tail shards and metadata, not the store."""
+        rows again), so the staging directory holds the tail shards and metadata, not the store.
+        armed False: pushes do nothing until `arm()` (the stage not yet checked against its run)."""
         self.local, self.url, self.evict = Path(local), url, evict
         self.bucket = bucket or open_bucket(url)
         self.sent: dict[str, tuple[int, int, int]] = {}  # key -> _signature of the version last uploaded
         self.bytes_sent = 0
-        self.armed = True
+        self.armed = armed
 
     def arm(self) -> None:
         """Let pushes go up (writing_to's mirror waits for this: the stage checked against the run first)."""
@@ -282,10 +284,9 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwri
     except BaseException:
         lease.release()
         raise
-    mirror, stop, errors = Mirror(local, url, bucket=lease.bucket, evict=True), threading.Event(), []
     # nothing goes up before the caller has checked the stage against its run (mirror.arm()): a stage left
     # by another store's run, refused by those checks, must not reach this URL first
-    mirror.armed = False
+    mirror, stop, errors = Mirror(local, url, bucket=lease.bucket, evict=True, armed=False), threading.Event(), []
 
     def loop() -> None:
         while not stop.wait(ttl / 6):
