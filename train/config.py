@@ -49,6 +49,10 @@ class TrainConfig:
     """The soft term of kl and mix: kl (forward KL(target || drafter)) or tv (total variation,
     0.5 * sum |target - drafter|: one minus the chance that a draft token sampled from the drafter
     is accepted when verification samples from the target)."""
+    confidence_penalty: float = 0.0
+    """Subtract this times the drafter's entropy from every slot's loss (the confidence penalty of
+    Pereyra et al. 2017): a drafter less sure of its first choice leaves its runners-up the
+    probability a draft tree's best-first expansion ranks siblings by; 0 = none."""
     position_weights: str = "decay"
     """Loss weight of block slot k: decay (exp(-(k-1)/gamma), DFlash Eq. 4) or reach (the tokens
     decoding accepts at slot k or later, measured on the step's own predictions: train.replay)."""

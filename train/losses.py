@@ -46,36 +46,43 @@ class LossOut(dict):
     `replay`, also accepts [b, N] (accepted drafts per block: train.replay.block_accepts)."""
 
 
-def _loss_rows(logits, labels, t_logits, kl_weight: float, divergence: str = "kl"):
+def _loss_rows(logits, labels, t_logits, kl_weight: float, divergence: str = "kl", penalty: float = 0.0):
     """From one chunk's logits [c, V] (and the teacher's, or None): per-row loss [c], student
-    log-probs [c, V] (float32), its softmax [c, V] where TV needed it (else None), teacher probs
-    [c, V] (or None), argmax hits [c]. The row loss is (1 - w) CE + w D, D = KL(teacher || student)
-    or TV = 0.5 sum |student - teacher|."""
+    log-probs [c, V] (float32), its softmax [c, V] where TV or the penalty needed it (else None),
+    teacher probs [c, V] (or None), argmax hits [c], the student's entropy [c] (or None). The row loss
+    is (1 - w) CE + w D - penalty H, D = KL(teacher || student) or TV = 0.5 sum |student - teacher|,
+    H the student's entropy (the confidence penalty of Pereyra et al. 2017, arXiv 1701.06548)."""
     logp = F.log_softmax(logits.float(), dim=-1)
     loss = -logp.gather(1, labels[:, None])[:, 0] * (1 - kl_weight)
-    q = t_p = None
+    q = t_p = ent = None
+    if penalty > 0:
+        q = logp.exp()
+        ent = -(q * logp).sum(-1)  # [c]
+        loss = loss - penalty * ent
     if t_logits is not None:
         t_logp = F.log_softmax(t_logits.float(), dim=-1)
         t_p = t_logp.exp()
         if divergence == "tv":
-            q = logp.exp()
+            q = logp.exp() if q is None else q
             loss = loss + kl_weight * 0.5 * (q - t_p).abs().sum(-1)
         else:
             loss = loss + kl_weight * (t_p * (t_logp - logp)).sum(-1)
-    return loss, logp, q, t_p, logp.argmax(-1) == labels
+    return loss, logp, q, t_p, logp.argmax(-1) == labels, ent
 
 
-def _chunk_terms(h, lm_head, labels, teacher, kl_weight, divergence="kl"):
+def _chunk_terms(h, lm_head, labels, teacher, kl_weight, divergence="kl", penalty=0.0):
     t_logits = teacher @ lm_head.T if kl_weight > 0 else None
-    loss, _, _, _, hit = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight, divergence)
+    loss, _, _, _, hit, _ = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight, divergence, penalty)
     return loss, hit
 
 
-def _head_grad(logits, labels, t_logits, kl_weight: float, divergence: str = "kl"):
+def _head_grad(logits, labels, t_logits, kl_weight: float, divergence: str = "kl", penalty: float = 0.0):
     """One chunk's per-row loss [c], d(row loss)/d(logits) [c, V] in the logits' dtype, and hits [c]:
-    with q the softmax, d = (1 - w)(q - onehot) + w dD, where dD = q - p_teacher for KL and, for TV,
-    0.5 q (s - <s, q>) with s = sign(q - p_teacher) (the softmax's Jacobian applied to 0.5 s)."""
-    loss, logp, q, t_p, hit = _loss_rows(logits, labels, t_logits, kl_weight, divergence)
+    with q the softmax, d = (1 - w)(q - onehot) + w dD + penalty q (log q + H), where dD = q - p_teacher
+    for KL and, for TV, 0.5 q (s - <s, q>) with s = sign(q - p_teacher) (the softmax's Jacobian applied
+    to 0.5 s); the last term is -dH/dlogits."""
+    loss, logp, q, t_p, hit, ent = _loss_rows(logits, labels, t_logits, kl_weight, divergence, penalty)
+    conf = q * (logp + ent[:, None]) if ent is not None else None  # [c, V], before q is reused in place
     d = logp.exp_() if q is None else q  # the softmax: TV's, or in place of the log-probs (no longer needed)
     if t_p is not None and divergence == "tv":
         s = torch.sign(d - t_p)  # [c, V]
@@ -83,6 +90,8 @@ def _head_grad(logits, labels, t_logits, kl_weight: float, divergence: str = "kl
         d.mul_(1 - kl_weight).add_(tv, alpha=kl_weight)
     elif t_p is not None:
         d.sub_(t_p, alpha=kl_weight)
+    if conf is not None:
+        d.add_(conf, alpha=penalty)
     d[torch.arange(len(d), device=d.device), labels] -= 1 - kl_weight
     return loss, d.to(logits.dtype), hit
 
@@ -103,13 +112,13 @@ class _FusedHeadLoss(torch.autograd.Function):
     gradient by its weight), so weights built from this very forward's hits cost nothing extra."""
 
     @staticmethod
-    def forward(ctx, rows, lm_head, labels, teacher, kl_weight, divergence, chunk, compiled):
+    def forward(ctx, rows, lm_head, labels, teacher, kl_weight, divergence, penalty, chunk, compiled):
         head_grad = _compiled_head_grad() if compiled else _head_grad
         losses, grads, hits = [], [], []
         for i in range(0, len(rows), chunk):
             sl = slice(i, i + chunk)
             t_logits = teacher[sl] @ lm_head.T if teacher is not None else None  # [c, V]
-            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], t_logits, kl_weight, divergence)
+            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], t_logits, kl_weight, divergence, penalty)
             losses.append(part)
             grads.append((d @ lm_head).to(rows.dtype))  # [c, H]; d has the logits' (= lm_head's) dtype
             hits.append(hit)
@@ -122,19 +131,19 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_hit):
         (grad,) = ctx.saved_tensors
-        return grad * g_loss[:, None].to(grad.dtype), None, None, None, None, None, None, None
+        return grad * g_loss[:, None].to(grad.dtype), None, None, None, None, None, None, None, None
 
 
-def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, chunk, backward, compiled):
+def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, backward, compiled):
     """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks."""
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and backward == "fused":
-        return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight, divergence, chunk,
-                                    compiled)
+        return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight, divergence, penalty,
+                                    chunk, compiled)
     losses, hits = [], []
     for i in range(0, len(rows), chunk):
         sl = slice(i, i + chunk)
-        args = (rows[sl], lm_head, lab[sl], tea[sl] if tea is not None else None, kl_weight, divergence)
+        args = (rows[sl], lm_head, lab[sl], tea[sl] if tea is not None else None, kl_weight, divergence, penalty)
         part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False) if grad and backward == "recompute" \
             else _chunk_terms(*args)
         losses.append(part)
@@ -155,7 +164,8 @@ def _with_head(rows, lm_head, tea, bias_rows, bias_head):
 
 def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
-               divergence: str = "kl", chunk: int = 2048, backward: str = "fused", compiled: bool = False,
+               divergence: str = "kl", confidence_penalty: float = 0.0, chunk: int = 2048,
+               backward: str = "fused", compiled: bool = False,
                weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
                spans: torch.Tensor | None = None, replay: bool = False,
                bias_rows: torch.Tensor | None = None, bias_head: torch.Tensor | None = None) -> LossOut:
@@ -164,7 +174,9 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
     distribution is the soft label for token p+k, weighted kl_weight against CE through
-    `divergence` (kl: forward KL, tv: total variation). `backward` picks how the chunks' gradients are
+    `divergence` (kl: forward KL, tv: total variation). `confidence_penalty` beta subtracts beta times
+    the drafter's entropy from each row's loss (Pereyra et al. 2017), so its runners-up keep some
+    probability for a draft tree's siblings. `backward` picks how the chunks' gradients are
     made: "fused" forms each chunk's row gradient in the forward pass (no logits kept, no extra
     matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more lm_head
     matmul), "keep" leaves every chunk's logits alive until backward (most memory). `compiled`
@@ -197,7 +209,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     if bias_rows is not None:
         rows, lm_head, tea = _with_head(rows, lm_head, tea, bias_rows[keep], bias_head)
         backward = "recompute" if backward == "fused" else backward
-    row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence, chunk, backward, compiled)
+    row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence, confidence_penalty, chunk,
+                                backward, compiled)
     hit = hit & in_vocab
     weighting, dense = weighting or Weighting(), None
     if replay or weighting.decode_aware:

@@ -251,6 +251,7 @@ def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> 
     """How every micro-batch of the run becomes a loss (train.step.LossSettings) from the config."""
     return LossSettings(block_size=cfg.block_size, gamma=cfg.gamma or default_gamma(cfg.block_size),
                         kl_weight=cfg.effective_kl_weight, divergence=cfg.divergence,
+                        confidence_penalty=cfg.confidence_penalty,
                         use_flex=use_flex_attention(cfg.attention, device.type, dc.head_dim),
                         split_blocks=cfg.split_blocks, context_tile=cfg.context_tile,
                         chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile,

@@ -37,6 +37,8 @@ class LossSettings:
     """Share of the divergence from the stored teacher (0: CE on the target's tokens only)."""
     divergence: str = "kl"
     """kl (forward KL) or tv (total variation): the soft term train.losses.draft_loss adds."""
+    confidence_penalty: float = 0.0
+    """Weight of the drafter's entropy subtracted from each row's loss (0: none)."""
     use_flex: bool = False
     """FlexAttention block mask (GPU), else a dense boolean mask."""
     chunk: int = 2048
@@ -85,6 +87,7 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
             head_terms = {"bias_rows": mh.markov_w1(prev), "bias_head": mh.markov_w2.weight}
         out = draft_loss(hidden, labels, core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, divergence=loss.divergence,
+                         confidence_penalty=loss.confidence_penalty,
                          chunk=loss.chunk, backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
                          anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay, **head_terms)
         if tree_budgets:

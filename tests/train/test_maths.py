@@ -132,7 +132,7 @@ def test_build_blocks_labels_same_position():
     assert bl.tolist() == [IGNORE, 103, 104, 105, IGNORE, 110, 111, IGNORE]
 
 
-def naive_loss(hidden, labels, lm_head, bs, gamma, teacher=None, klw=0.0, divergence="kl"):
+def naive_loss(hidden, labels, lm_head, bs, gamma, teacher=None, klw=0.0, divergence="kl", penalty=0.0):
     num = den = 0.0
     for b in range(hidden.shape[0]):
         for q in range(hidden.shape[1]):
@@ -149,14 +149,19 @@ def naive_loss(hidden, labels, lm_head, bs, gamma, teacher=None, klw=0.0, diverg
                     term = term + klw * 0.5 * sum((q_[j] - p[j]).abs() for j in range(len(p)))
                 else:
                     term = term + klw * (p * (p.log() - F.log_softmax(logits, -1))).sum()
+            if penalty:  # minus the drafter's entropy, summed by a loop
+                q_ = F.softmax(logits, -1)
+                term = term + penalty * sum(q_[j] * q_[j].log() for j in range(len(q_)))
             num += w * term
             den += w
     return num / den
 
 
-@pytest.mark.parametrize("klw,divergence", [(0.0, "kl"), (0.5, "kl"), (1.0, "kl"), (0.5, "tv"), (1.0, "tv")])
+@pytest.mark.parametrize("klw,divergence,penalty", [(0.0, "kl", 0.0), (0.5, "kl", 0.0), (1.0, "kl", 0.0),
+                                                   (0.5, "tv", 0.0), (1.0, "tv", 0.0), (0.0, "kl", 0.3),
+                                                   (0.5, "kl", 0.2), (0.5, "tv", 0.2)])
 @pytest.mark.parametrize("backward", ["fused", "recompute", "keep"])
-def test_loss_matches_naive(klw, divergence, backward):
+def test_loss_matches_naive(klw, divergence, penalty, backward):
     g = torch.Generator().manual_seed(1)
     bs, v, h = 4, 50, 8
     hidden = torch.randn(2, 12, h, generator=g, requires_grad=True)
@@ -166,11 +171,11 @@ def test_loss_matches_naive(klw, divergence, backward):
     labels[1, 5] = IGNORE
     teacher = torch.randn(2, 12, h, generator=g)
     out = draft_loss(hidden, labels, lm_head, block_size=bs, gamma=7.0, teacher=teacher, kl_weight=klw, chunk=5,
-                      backward=backward, divergence=divergence)
-    ref = naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw, divergence)
+                      backward=backward, divergence=divergence, confidence_penalty=penalty)
+    ref = naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw, divergence, penalty)
     torch.testing.assert_close(out["loss"], ref.float(), rtol=1e-5, atol=1e-5)
     g1 = torch.autograd.grad(out["loss"], hidden)[0]
-    g2 = torch.autograd.grad(naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw, divergence), hidden)[0]
+    g2 = torch.autograd.grad(naive_loss(hidden, labels, lm_head, bs, 7.0, teacher, klw, divergence, penalty), hidden)[0]
     torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
     assert out["count"][0] == 0 and out["count"].sum() == (labels != IGNORE).sum()
 
@@ -233,9 +238,9 @@ def test_compiled_fused_loss_matches_eager():
     labels = torch.randint(0, 200, (2, 24), generator=g)
     labels[:, ::4] = IGNORE
     teacher = torch.randn(2, 24, 16, generator=g)
-    for divergence in ("kl", "tv"):
+    for divergence, penalty in (("kl", 0.0), ("tv", 0.0), ("kl", 0.2)):
         outs = [draft_loss(hidden, labels, lm_head, block_size=4, gamma=7.0, teacher=teacher, kl_weight=0.4, chunk=10,
-                           compiled=c, divergence=divergence) for c in (False, True)]
+                           compiled=c, divergence=divergence, confidence_penalty=penalty) for c in (False, True)]
         torch.testing.assert_close(outs[1]["loss"], outs[0]["loss"], rtol=1e-5, atol=1e-6)
         assert torch.equal(outs[1]["correct"], outs[0]["correct"])
         g0, g1 = (torch.autograd.grad(o["loss"], hidden)[0] for o in outs)

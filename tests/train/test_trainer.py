@@ -173,10 +173,12 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("loss,divergence", [("ce", "kl"), ("mix", "kl"), ("mix", "tv")])
-def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss, divergence):
-    # mix also runs the KL and TV paths end to end: bf16 teacher states from the store, float32 on CPU
-    train(train_cfg(store, tmp_path / "v", max_steps=60, val_samples=4, val_every=20, loss=loss, divergence=divergence))
+@pytest.mark.parametrize("loss,divergence,penalty", [("ce", "kl", 0.0), ("mix", "kl", 0.0), ("mix", "tv", 0.1)])
+def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss, divergence, penalty):
+    # mix also runs the KL and TV paths end to end: bf16 teacher states from the store, float32 on CPU;
+    # the last case adds the confidence penalty
+    train(train_cfg(store, tmp_path / "v", max_steps=60, val_samples=4, val_every=20, loss=loss, divergence=divergence,
+                    confidence_penalty=penalty))
     rows = metric_rows(tmp_path / "v")
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val] == [20, 40, 60]
