@@ -57,14 +57,16 @@ def make_store(path: str, shape: str, samples: int, seq: int, dtype: str = "bflo
     return m
 
 
-def drafter_config(shape: str, layers: int, block_size: int = 16, draft_vocab: int = 0) -> DrafterConfig:
+def drafter_config(shape: str, layers: int, block_size: int = 16, draft_vocab: int = 0,
+                   markov_rank: int = 0) -> DrafterConfig:
     """The benched drafter: the shape's dims, 5 taps, block 16 by default (what `python -m train` builds from
     make_store's store)."""
     sh = SHAPES[shape]
     return DrafterConfig(hidden_size=sh["hidden_size"], intermediate_size=sh["intermediate_size"], num_layers=layers,
                          num_heads=sh["num_attention_heads"], num_kv_heads=sh["num_key_value_heads"],
                          head_dim=sh["head_dim"], vocab_size=sh["vocab_size"], num_taps=5, block_size=block_size,
-                         mask_token_id=sh["vocab_size"] - 1, rope_theta=1e6, draft_vocab_size=draft_vocab)
+                         mask_token_id=sh["vocab_size"] - 1, rope_theta=1e6, draft_vocab_size=draft_vocab,
+                         markov_rank=markov_rank)
 
 
 def bench_batches(store: str, dc: DrafterConfig, *, token_budget: int, anchors: int, count: int,
@@ -132,7 +134,7 @@ def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | N
     t_mem, t_store, t_side = (statistics.median(times[k]) for k in ("memory", "store", "store_side_stream"))
     return {"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                       "layers": a.layers, "compile": a.compile, "loss_chunk": a.loss_chunk, "min_seq": a.min_seq,
-                      "context_tile": a.context_tile, "split_blocks": a.split_blocks,
+                      "context_tile": a.context_tile, "split_blocks": a.split_blocks, "markov_rank": a.markov_rank,
                       "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
                       "ratio": t_mem / t_store, "data_wait_frac": statistics.median(waits["store"]),
@@ -173,6 +175,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--context-tile", type=int, default=1, help="as train.step.LossSettings.context_tile: 0 pads the "
                     "context to FlexAttention's tile on a GPU, 1 never pads")
     ap.add_argument("--split-blocks", action="store_true", help="as --split-blocks in train")
+    ap.add_argument("--markov-rank", type=int, default=0, help="as --markov-rank in train (its head's teacher-forced "
+                    "bias joins the loss; the loss backward then recomputes its chunks)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
     return ap
 
@@ -180,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
 def _setup(a, dev: torch.device):
     """The bench's store, drafter, optimizer, micro-batches and loss: what python -m train builds."""
     make_store(a.store, a.shape, a.samples, a.seq, dtype=a.dtype, min_seq=a.min_seq)
-    dc = drafter_config(a.shape, a.layers, a.block_size, a.draft_vocab)
+    dc = drafter_config(a.shape, a.layers, a.block_size, a.draft_vocab, a.markov_rank)
     fr = StoreReader(a.store).frozen()
     model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"],
                           torch.arange(a.draft_vocab) if a.draft_vocab else None).to(dev)
