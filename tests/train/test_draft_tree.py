@@ -194,3 +194,25 @@ def test_a_child_cap_keeps_each_parents_best_children_only():
     # an uncapped parent count is reached: the cap changes the tree
     assert {p for p, _ in capped} != {p for p, _ in exact}
     assert _prefixes(build_tree(lp, 30, bias=lambda t: trans[t], child_cap=30)) == exact
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("head", [False, True])
+def test_a_smaller_budgets_tree_is_the_first_nodes_of_a_larger_ones(seed, head):
+    """Trees are nested: the N-node tree is the first N nodes of the M-node tree (M > N), so at every
+    step a larger budget holds every path a smaller one holds and accepts at least as many tokens.
+    What a per-step budget choice could save is then only the larger tree's own cost (docs/BENCHMARKS.md)."""
+    g = torch.Generator().manual_seed(seed)
+    d_slots, v = 2 + seed % 3, 3 + seed % 4
+    if seed % 2:  # ties
+        logp = -torch.randint(0, 3, (d_slots, v), generator=g).float()
+    else:
+        logp = torch.log_softmax(torch.randn(d_slots, v, generator=g), -1)
+    trans = torch.randn(v, v, generator=g)
+    bias = (lambda t: trans[t]) if head else None
+    trees = {n: _prefixes(build_tree(logp, n, root=1, bias=bias)) for n in (1, 3, 8, 30, 200)}
+    for n, small in trees.items():
+        for m, large in trees.items():
+            if m > n:
+                _same(small, large[:len(small)])
+                assert len(small) == min(n, len(large))
