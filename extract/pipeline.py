@@ -21,7 +21,7 @@ import torch
 
 from cache_format import ShardWriter
 from cache_format.codec import quantize, scale_layout
-from extract.data import Rendered
+from extract.rendering import Rendered
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter, WriteItem, write_rows
 from target.loader import capture, decoder_parts, stack_upto

@@ -36,7 +36,7 @@ from cache_format.mirror import writing_to
 from cache_format.remote import default_local, is_url
 from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
 from extract.config import ExtractConfig
-from extract.data import BadRecord, Rendered, read_conversations, render_many
+from extract.rendering import BadRecord, Rendered, read_conversations, render_many
 from extract.pipeline import compile_decoder, ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.ring import HostRing

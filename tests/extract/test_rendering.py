@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from extract.data import BadRecord, read_conversations, render, render_many
+from extract.rendering import BadRecord, read_conversations, render, render_many
 from tests.helpers import tiny_tokenizer
 
 
