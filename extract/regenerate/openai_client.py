@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Reply", "ServerRequest", "serve", "server_results"]
+__all__ = ["Reply", "ServerRequest", "send_all", "server_results"]
 
 _RETRYABLE_HTTP = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -80,9 +80,10 @@ def _one(req: ServerRequest, index: int, urls: tuple[str, ...], *, timeout: floa
     return Reply(req.job, None, error=last, attempts=retries + 1)
 
 
-def serve(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], concurrency: int, timeout: float,
-          retries: int, backoff: float = 1.0) -> Iterator[Reply]:
-    """Replies in completion order; at most `concurrency` requests in flight."""
+def send_all(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], concurrency: int, timeout: float,
+             retries: int, backoff: float = 1.0) -> Iterator[Reply]:
+    """Send every request to the servers (this is the client side); replies in completion order, at
+    most `concurrency` requests in flight."""
     it = iter(enumerate(requests))
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         def submit() -> bool:
@@ -122,8 +123,8 @@ def server_results(cfg, opening: str, todo) -> Iterator[tuple[tuple[int, int], s
     errors.unlink(missing_ok=True)
     ef = None  # opened at the first failure: a run without failures leaves no errors file
     try:
-        for r in serve(reqs, base_urls=cfg.base_url, concurrency=cfg.concurrency, timeout=cfg.request_timeout,
-                       retries=cfg.retries):
+        for r in send_all(reqs, base_urls=cfg.base_url, concurrency=cfg.concurrency, timeout=cfg.request_timeout,
+                          retries=cfg.retries):
             if r.text is None:
                 ef = ef or open(errors, "a", encoding="utf-8")
                 ef.write(json.dumps({"prompt_index": r.job[0], "sample": r.job[1], "error": r.error,
