@@ -23,9 +23,9 @@ import torch
 from bench.common import SHAPES, random_target, synthetic_manifest
 from cache_format import ShardWriter, create_store, finalize_store
 from cache_format.schema import default_rows_per_shard
-from extract.rendering import Rendered
 from extract.pipeline import compile_decoder, ring_fields, run_batches
 from extract.plan import dflash_layer_ids
+from extract.rendering import Rendered
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
 

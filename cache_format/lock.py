@@ -24,11 +24,11 @@ from pathlib import Path
 
 from cache_format.errors import CacheFormatError
 
-__all__ = ["StoreLock", "StoreLockedError", "lock_path", "writer_gone"]
+__all__ = ["WriterLock", "WriterLockedError", "lock_path", "writer_gone"]
 
 
-class StoreLockedError(CacheFormatError):
-    """Another run is writing the store."""
+class WriterLockedError(CacheFormatError):
+    """Another process is writing there (a store, a run directory or a regeneration output)."""
 
 
 def lock_path(store: str | os.PathLike, rank: int = 0) -> Path:
@@ -36,16 +36,17 @@ def lock_path(store: str | os.PathLike, rank: int = 0) -> Path:
     return Path(base if rank == 0 else f"{base}.rank{rank}")
 
 
-class StoreLock:
-    """The writing lock of one rank on one store (see the module doc)."""
+class WriterLock:
+    """One writer at a time: the lock of one rank on a store, a run directory or a regeneration output
+    (see the module doc)."""
 
     def __init__(self, store: str | os.PathLike, rank: int = 0, *, what: str = "store") -> None:
         self.store, self.rank, self.what = str(store), rank, what
         self.path = lock_path(store, rank)
         self.fd: int | None = None
 
-    def acquire(self, *, wait: bool = False) -> StoreLock:
-        """Take the lock now or raise StoreLockedError naming the holder; `wait`: block until it is free."""
+    def acquire(self, *, wait: bool = False) -> WriterLock:
+        """Take the lock now or raise WriterLockedError naming the holder; `wait`: block until it is free."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -53,7 +54,7 @@ class StoreLock:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise StoreLockedError(f"{self.store}: another run is writing this {self.what} ({holder}; lock "
+            raise WriterLockedError(f"{self.store}: another run is writing this {self.what} ({holder}; lock "
                                    f"{self.path}); wait for it to end or stop it") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
@@ -67,7 +68,7 @@ class StoreLock:
             os.close(self.fd)
             self.fd = None
 
-    def __enter__(self) -> StoreLock:
+    def __enter__(self) -> WriterLock:
         return self if self.fd is not None else self.acquire()  # `with lock.acquire(wait=True):` holds it once
 
     def __exit__(self, *exc) -> None:

@@ -31,14 +31,14 @@ from cache_format import (
 from cache_format.checksums import record_checksums, sha256_file
 from cache_format.codec import QUANTIZED
 from cache_format.index import LogFollower
-from cache_format.lock import StoreLock
+from cache_format.lock import WriterLock
 from cache_format.mirror import writing_to
 from cache_format.remote import default_local, is_url
 from cache_format.schema import check_layer_ids, default_bucket_bounds, default_rows_per_shard
 from extract.config import ExtractConfig
-from extract.rendering import BadRecord, Rendered, read_conversations, render_many
 from extract.pipeline import compile_decoder, ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
+from extract.rendering import BadRecord, Rendered, read_conversations, render_many
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
 from runtime.world import World
@@ -71,7 +71,7 @@ def _default_data(cfg: ExtractConfig, world: World) -> str:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         # two extractions at once: one builds, the other waits for it and then reads what it built
-        with StoreLock(path, what="default data").acquire(wait=True):
+        with WriterLock(path, what="default data").acquire(wait=True):
             if not path.exists():
                 tmp = path.with_suffix(".partial")
                 regenerate(out=str(tmp), target=cfg.target, limit=cfg.limit or 64,
@@ -129,7 +129,7 @@ def run(cfg: ExtractConfig, *, world: World | None = None, on_ready=None) -> dic
     device = world.join()
     t0 = time.time()
     # one writing run per store: refused at once, before the target loads (cache_format/lock.py)
-    lock = StoreLock(cfg.store, world.rank)
+    lock = WriterLock(cfg.store, world.rank)
     if world.rank == 0:
         lock.acquire()
     world.barrier()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from cache_format.lock import StoreLock
+from cache_format.lock import WriterLock
 from runtime.cli import to_toml
 from runtime.preemption import Preemption
 from runtime.world import World
@@ -389,6 +389,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train a drafter as `cfg` says (one rank; under torchrun every rank calls it). Rank 0 holds
     RUN.lock for the run's life: a second run into the same --out is refused at once, naming the first."""
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    lock = StoreLock(cfg.out, what="run directory") if World.from_env().rank == 0 else contextlib.nullcontext()
+    lock = WriterLock(cfg.out, what="run directory") if World.from_env().rank == 0 else contextlib.nullcontext()
     with lock, Preemption() as preempt:
         return Trainer(cfg, preempt).fit()

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from cache_format.layout import atomic_write_bytes
-from cache_format.lock import StoreLock
+from cache_format.lock import WriterLock
 from chat.conversations import history, segments
 from extract.plan import generation_jobs
 from extract.regenerate.config import RegenConfig
@@ -41,7 +41,7 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, preemptible: b
     # preemptible: SIGTERM or SIGINT stop the run after its last whole record (a rerun goes on from there);
     # else they end the process as usual (a caller that goes on with the output must not get half of it)
     preempt = Preemption()
-    with StoreLock(cfg.out, what="regeneration output"), (preempt if preemptible else contextlib.nullcontext()):
+    with WriterLock(cfg.out, what="regeneration output"), (preempt if preemptible else contextlib.nullcontext()):
         _check_recorded_options(cfg)
         res = _regenerate(cfg, loaded, lambda: preempt.signum is not None)
         res = dataclasses.replace(res, stopped_by_signal=preempt.signum or 0)

@@ -277,15 +277,15 @@ def test_one_writer_per_output_whatever_the_path(tmp_path):
     # a symbolic link to a locked store meets the same lock; a waiting taker gets it once it is freed
     import threading
 
-    from cache_format.lock import StoreLock, StoreLockedError
+    from cache_format.lock import WriterLock, WriterLockedError
 
     (tmp_path / "s.zarr").mkdir()
     (tmp_path / "link.zarr").symlink_to(tmp_path / "s.zarr")
-    first = StoreLock(tmp_path / "s.zarr").acquire()
-    with pytest.raises(StoreLockedError, match=f"pid {os.getpid()}"):
-        StoreLock(tmp_path / "link.zarr").acquire()
+    first = WriterLock(tmp_path / "s.zarr").acquire()
+    with pytest.raises(WriterLockedError, match=f"pid {os.getpid()}"):
+        WriterLock(tmp_path / "link.zarr").acquire()
     got = []
-    t = threading.Thread(target=lambda: got.append(StoreLock(tmp_path / "link.zarr").acquire(wait=True)))
+    t = threading.Thread(target=lambda: got.append(WriterLock(tmp_path / "link.zarr").acquire(wait=True)))
     t.start()
     t.join(0.3)
     assert t.is_alive() and not got  # waits while the first holds it

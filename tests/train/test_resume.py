@@ -148,10 +148,10 @@ def test_a_flipped_byte_in_a_checkpoint_is_refused_and_an_earlier_one_can_be_nam
 
 
 def test_a_second_run_into_the_same_out_is_refused(store, tmp_path):
-    from cache_format.lock import StoreLock
+    from cache_format.lock import WriterLock
 
     out = tmp_path / "o"
-    with StoreLock(out, what="run directory"):  # as a first run holds it for its life
+    with WriterLock(out, what="run directory"):  # as a first run holds it for its life
         with pytest.raises(ValueError, match="another run is writing this run directory"):
             train(train_cfg(store, out, max_steps=2))
     train(train_cfg(store, out, max_steps=2))  # free again: the refused run left nothing behind

@@ -199,10 +199,10 @@ def test_extraction_renders_with_the_datas_template_options_or_refuses(tmp_path)
 
 
 def test_two_regenerations_into_one_output_are_refused(tmp_path):
-    from cache_format.lock import StoreLock
+    from cache_format.lock import WriterLock
 
     out = tmp_path / "o.jsonl"
-    with StoreLock(out, what="regeneration output"):
+    with WriterLock(out, what="regeneration output"):
         with pytest.raises(ValueError, match="another run is writing this regeneration output"):
             regenerate(out=str(out), target=tiny_target_dir(tmp_path / "t", "llama"),
                        prompts=write_chats(tmp_path / "p.jsonl", 2), max_new_tokens=2)
