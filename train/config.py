@@ -23,6 +23,7 @@ DIVERGENCES = ("kl", "tv")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    # ------------------------------------------------------------------ the store and the run
     store: str
     """The draftcache store to train from (the target is never loaded)."""
     out: str
@@ -30,12 +31,55 @@ class TrainConfig:
     cache_dir: str = ""
     """For a store read by URL (s3://...): the local directory its metadata and fetched shards go
     under (default: $DRAFTCACHE_STORE_CACHE, else ~/.cache/draftcache/stores); one per node."""
+    workers: int = 2
+    """DataLoader worker processes per rank (0 = read in the training process)."""
+    verify_shards: str = "on"
+    """Check each data shard's checksums the first time this run reads it on a node: on (default),
+    off, or auto (on only with follow, where the store may still change). A store read by URL is
+    checked whatever this says (every fetched shard is).
+    A mismatch stops training with one line naming shard and array. A checked shard leaves a
+    marker in out/.verified-shards/HOST, so later epochs and workers do not read it again; on the
+    100K-sample store on an H200 the first epoch (every shard checked) trained at 100.0% of the
+    second's rate (docs/BENCHMARKS.md)."""
+    follow: bool = False
+    """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
+    follow_timeout: float = 300.0
+    """With --follow: seconds to keep waiting once the store's writer is known to be gone (its pid on
+    this host no longer runs) and the store is not finalized; then stop with one line (0 = wait forever)."""
+    node_affine: bool = False
+    """Several nodes: each node's ranks train on a fixed share of the store's shards (whole shards,
+    balanced by tokens), reshuffled within the share every epoch, so a node reading a store by URL
+    fetches and caches its share, 1/nodes of the store, instead of all of it over the epochs. Every
+    step still draws from every share. One node: no effect. Not with follow (the shares would move)."""
+    # ------------------------------------------------------------------ the drafter
     num_layers: int = 1
     """Drafter depth D (DFlash uses 5; 1 trains fast on CPU)."""
     layers: tuple[int, ...] = ()
     """Subset of the store's layer ids the drafter reads (empty = all)."""
     block_size: int = 16
     """Tokens per draft block (anchor + block_size - 1 drafted)."""
+    intermediate_size: int = 0
+    """Drafter MLP width; 0 = the target's."""
+    draft_vocab: int = 0
+    """Tokens the drafter may propose: the N most frequent answer tokens of the store's training
+    samples (0 = the target's whole vocabulary). The lm_head and the loss's softmax then cost N/V of
+    theirs; a token outside can never be drafted (the run logs the share of answer tokens inside)."""
+    markov_rank: int = 0
+    """A Markov dependence head over the block (DSpark's, train.markov_head) of this rank: each slot's
+    logits get a bias read from the token before it, so drafting is sequential over the block's
+    slots and a draft tree scores each child after its parent's token; 0 = none (independent slots)."""
+    mask_token_id: int = -1
+    """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first vocabulary
+    padding row, else an unused special token; see target.loader.choose_mask_token)."""
+    init_from: str = ""
+    """An exported drafter (train.export's directory) whose weights start this run, with a fresh
+    optimizer and schedule: to go on training it on new data or on another machine. Its shape, taps
+    and mask token must be this run's. A --resume that finds a checkpoint takes that instead."""
+    init_layers: tuple[int, ...] = ()
+    """Target decoder layers (kept in the store by extract --keep-layers) whose weights start the
+    drafter's layers, one id per drafter layer, and the target's final norm its own; empty = random
+    layers. The context projection (fc) starts random either way."""
+    # ------------------------------------------------------------------ the loss
     num_anchors: int = 512
     """Anchors per sequence, capped by its valid positions; resampled every epoch."""
     gamma: float = 0.0
@@ -60,19 +104,7 @@ class TrainConfig:
     """Extra loss weight of the blocks whose anchors speculative decoding with the current drafter
     would visit (the positions right after a rejection), found from the step's own predictions
     (train.replay); 0 = every anchor alike."""
-    draft_vocab: int = 0
-    """Tokens the drafter may propose: the N most frequent answer tokens of the store's training
-    samples (0 = the target's whole vocabulary). The lm_head and the loss's softmax then cost N/V of
-    theirs; a token outside can never be drafted (the run logs the share of answer tokens inside)."""
-    markov_rank: int = 0
-    """A Markov dependence head over the block (DSpark's, train.markov_head) of this rank: each slot's
-    logits get a bias read from the token before it, so drafting is sequential over the block's
-    slots and a draft tree scores each child after its parent's token; 0 = none (independent slots)."""
-    mask_token_id: int = -1
-    """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first vocabulary
-    padding row, else an unused special token; see target.loader.choose_mask_token)."""
-    intermediate_size: int = 0
-    """Drafter MLP width; 0 = the target's."""
+    # ------------------------------------------------------------------ schedule and optimizer
     epochs: int = 6
     """Passes over the store (the cosine spans them unless max_steps is set)."""
     max_steps: int = 0
@@ -94,62 +126,7 @@ class TrainConfig:
     """Gradient-norm clip."""
     seed: int = 0
     """Seed of the weights' init, the anchors and the batch order."""
-    log_every: int = 10
-    """Metrics line every N steps."""
-    checkpoint_every: int = 0
-    """Checkpoint every N steps (0 = only at the end)."""
-    keep_checkpoints: int = 3
-    """step-N checkpoints kept (older ones are deleted; best-N is kept apart)."""
-    resume: bool = False
-    """Continue from the newest checkpoint in out/checkpoints."""
-    resume_from: str = ""
-    """With --resume: continue from this checkpoint directory instead of the newest step-N (an earlier
-    good one, when the newest is damaged); the later step-N of the run are set aside (step-N.superseded)."""
-    init_from: str = ""
-    """An exported drafter (train.export's directory) whose weights start this run, with a fresh
-    optimizer and schedule: to go on training it on new data or on another machine. Its shape, taps
-    and mask token must be this run's. A --resume that finds a checkpoint takes that instead."""
-    init_layers: tuple[int, ...] = ()
-    """Target decoder layers (kept in the store by extract --keep-layers) whose weights start the
-    drafter's layers, one id per drafter layer, and the target's final norm its own; empty = random
-    layers. The context projection (fc) starts random either way."""
-    follow: bool = False
-    """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
-    follow_timeout: float = 300.0
-    """With --follow: seconds to keep waiting once the store's writer is known to be gone (its pid on
-    this host no longer runs) and the store is not finalized; then stop with one line (0 = wait forever)."""
-    workers: int = 2
-    """DataLoader worker processes per rank (0 = read in the training process)."""
-    tensorboard: bool = False
-    """Also write the metric rows as TensorBoard event files under out/tensorboard."""
-    wandb: bool = False
-    """Also log the metric rows to Weights & Biases (needs the wandb package)."""
-    verify_shards: str = "on"
-    """Check each data shard's checksums the first time this run reads it on a node: on (default),
-    off, or auto (on only with follow, where the store may still change). A store read by URL is
-    checked whatever this says (every fetched shard is).
-    A mismatch stops training with one line naming shard and array. A checked shard leaves a
-    marker in out/.verified-shards/HOST, so later epochs and workers do not read it again; on the
-    100K-sample store on an H200 the first epoch (every shard checked) trained at 100.0% of the
-    second's rate (docs/BENCHMARKS.md)."""
-    attention: str = "auto"
-    """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
-    split_blocks: bool = False
-    """Attend to the context and to each draft block's own keys apart and merge the two by their
-    log-sum-exps (train.attention): the same attention, with no kernel tile spent on the blocks' keys."""
-    context_tile: int = 1
-    """Pad the context with keys no query sees to a multiple of this many tokens, so the draft blocks'
-    keys start on a FlexAttention tile (fewer tiles visited): 1 never pads (default: the path the
-    preset's figures were measured on), 0 pads to FlexAttention's 128-token tile when it runs. Exact
-    (tests/train/test_step.py); its step time on a GPU is not measured yet."""
-    compile: bool = False
-    """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient (GPU)."""
-    loss_chunk: int = 2048
-    """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
-    loss_backward: str = "fused"
-    """How the lm_head chunks get their gradients: fused (formed in the forward pass; no logits kept,
-    no extra matmul), recompute (checkpointed: logits rebuilt in backward, one more lm_head matmul),
-    keep (every chunk's logits stay alive until backward)."""
+    # ------------------------------------------------------------------ held-out evaluation
     val_samples: int = 0
     """Samples held out of training (a seeded choice; whole prompts when the store has prompt keys,
     so at least this many). Every val_every steps their teacher-forced loss, acc and sim_tau (an
@@ -170,14 +147,44 @@ class TrainConfig:
     """Also replay tree decoding at each held-out evaluation: a draft tree of this many nodes per
     step (train.draft_tree, as `train.eval --tree-budget` decodes), logged as val_tree_tau and
     val_tree_tau_96. The best checkpoint (and patience) then go by val_tree_tau_96. 0 = the chain only."""
+    # ------------------------------------------------------------------ checkpoints and logs
+    log_every: int = 10
+    """Metrics line every N steps."""
+    checkpoint_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 3
+    """step-N checkpoints kept (older ones are deleted; best-N is kept apart)."""
+    resume: bool = False
+    """Continue from the newest checkpoint in out/checkpoints."""
+    resume_from: str = ""
+    """With --resume: continue from this checkpoint directory instead of the newest step-N (an earlier
+    good one, when the newest is damaged); the later step-N of the run are set aside (step-N.superseded)."""
+    tensorboard: bool = False
+    """Also write the metric rows as TensorBoard event files under out/tensorboard."""
+    wandb: bool = False
+    """Also log the metric rows to Weights & Biases (needs the wandb package)."""
+    # ------------------------------------------------------------------ speed (the same training, faster)
+    attention: str = "auto"
+    """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
+    split_blocks: bool = False
+    """Attend to the context and to each draft block's own keys apart and merge the two by their
+    log-sum-exps (train.attention): the same attention, with no kernel tile spent on the blocks' keys."""
+    context_tile: int = 1
+    """Pad the context with keys no query sees to a multiple of this many tokens, so the draft blocks'
+    keys start on a FlexAttention tile (fewer tiles visited): 1 never pads (default: the path the
+    preset's figures were measured on), 0 pads to FlexAttention's 128-token tile when it runs. Exact
+    (tests/train/test_step.py); its step time on a GPU is not measured yet."""
+    compile: bool = False
+    """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient (GPU)."""
+    loss_chunk: int = 2048
+    """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
+    loss_backward: str = "fused"
+    """How the lm_head chunks get their gradients: fused (formed in the forward pass; no logits kept,
+    no extra matmul), recompute (checkpointed: logits rebuilt in backward, one more lm_head matmul),
+    keep (every chunk's logits stay alive until backward)."""
     grad_reduce: str = "fp32"
     """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
     rounded to bf16 and summed in bf16). One rank: no effect."""
-    node_affine: bool = False
-    """Several nodes: each node's ranks train on a fixed share of the store's shards (whole shards,
-    balanced by tokens), reshuffled within the share every epoch, so a node reading a store by URL
-    fetches and caches its share, 1/nodes of the store, instead of all of it over the epochs. Every
-    step still draws from every share. One node: no effect. Not with follow (the shares would move)."""
 
     def __post_init__(self) -> None:
         check_numbers(self, negative_ok=("mask_token_id",))  # every number finite and >= 0; the ranges below
