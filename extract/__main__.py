@@ -12,6 +12,7 @@ from ExtractConfig; `--config FILE` (TOML/YAML) gives them by name, flags overri
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -29,12 +30,17 @@ def main(cfg: ExtractConfig, as_json: bool) -> None:
     from extract.run import run
 
     try:
-        summary = run(cfg)
+        summary = run(cfg, preemptible=True)
     except (CacheFormatError, ValueError, OSError) as e:
         click.echo(f"error: {_named(cfg, e)}", err=True)
         sys.exit(2)
     if not summary:
         return
+    if summary.get("stopped_by_signal"):  # preempted: what was extracted is committed; the same command goes on
+        sig = summary["stopped_by_signal"]
+        click.echo(f"stopped by {signal.Signals(sig).name}: {summary['store']} keeps every sample committed so far; "
+                   "rerun the same command to go on", err=True)
+        sys.exit(128 + sig)
     if as_json:
         click.echo(json.dumps(summary, indent=2))
         return

@@ -46,8 +46,10 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
                 writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *, last_hidden: bool,
                 quant: str = "", on_batch: Callable[[int], None] = lambda n: None,
-                stop_at_last_tap: bool = True, quant_beside: bool = True) -> Counter:
-    """Extract every batch; returns counts of refused samples. Closes the writers.
+                stop_at_last_tap: bool = True, quant_beside: bool = True,
+                stop: Callable[[], bool] = lambda: False) -> Counter:
+    """Extract every batch; returns counts of refused samples. Closes the writers. `stop()` true before
+    a batch ends the loop there (preemption): the batches already handed to the writers are written.
 
     quant ("fp8_e4m3" or "mxfp4"; "" for bf16) quantizes the taps on the device (ring field "hidden"
     holds the bits, "hidden_scale" the scales), which halves the copy (fp8) or more and keeps the
@@ -67,7 +69,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
         upto = max(layer_ids) if stop_at_last_tap and not last_hidden else None  # no layer above it runs
         with capture(model, layer_ids) as taps, stack_upto(model, upto), torch.inference_mode():
             for i, batch in enumerate(batches):
-                if failure:
+                if failure or stop():
                     break
                 ids, att = _pad(batch, device)
                 out = base(input_ids=ids, attention_mask=att, use_cache=False)

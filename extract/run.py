@@ -7,6 +7,7 @@ loop never waits on the disk; rank 0 finalizes once every rank has closed its wr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -41,6 +42,7 @@ from extract.plan import dflash_layer_ids, partition, token_budget_batches
 from extract.rendering import BadRecord, Rendered, read_conversations, render_many
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
+from runtime.preemption import Preemption
 from runtime.world import World
 from target.loader import frozen_parts, load_target, mask_token_of
 
@@ -120,12 +122,14 @@ def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter, worl
     return out
 
 
-def run(cfg: ExtractConfig, *, world: World | None = None, on_ready=None) -> dict:
+def run(cfg: ExtractConfig, *, world: World | None = None, on_ready=None, preemptible: bool = False) -> dict:
     """Extract `cfg.data` into `cfg.store`; returns the closing summary (rank 0's is complete).
-    on_ready: called on rank 0 once the store is created or checked for a resume (a mirror may push)."""
+    on_ready: called on rank 0 once the store is created or checked for a resume (a mirror may push).
+    preemptible: SIGTERM or SIGINT during the forward loop stop it after the batch in hand; what was
+    handed to the writers is committed and the summary is {"stopped_by_signal": N, ...} (a rerun goes on)."""
     world = world or World.from_env()
     if is_url(cfg.store):
-        return _run_to_url(cfg, world)
+        return _run_to_url(cfg, world, preemptible)
     device = world.join()
     t0 = time.time()
     # one writing run per store: refused at once, before the target loads (cache_format/lock.py)
@@ -136,23 +140,23 @@ def run(cfg: ExtractConfig, *, world: World | None = None, on_ready=None) -> dic
     if world.rank != 0:
         lock.acquire()
     try:
-        return _run_locked(cfg, world, device, t0, on_ready)
+        return _run_locked(cfg, world, device, t0, on_ready, preemptible)
     finally:
         lock.release()
 
 
-def _run_to_url(cfg: ExtractConfig, world: World) -> dict:
+def _run_to_url(cfg: ExtractConfig, world: World, preemptible: bool = False) -> dict:
     """A store on object storage: written locally in the stage directory as always, mirrored up by
     rank 0 (cache_format.mirror.writing_to: lease, resume from the server, commit-ordered pushes).
     The other ranks write into the same stage directory: one node."""
     stage = Path(cfg.stage_dir) if cfg.stage_dir else default_local(cfg.store)
     local = dataclasses.replace(cfg, store=str(stage), stage_dir="")
     if world.rank != 0:  # they wait at run's first barrier for rank 0's lease and download
-        return run(local, world=world)
+        return run(local, world=world, preemptible=preemptible)
     with writing_to(cfg.store, stage, ttl=cfg.lease_ttl, overwrite=cfg.overwrite) as mirror:
-        summary = run(local, world=world, on_ready=mirror.arm)  # pushes once the stage is checked
-    if not summary:
-        return summary
+        summary = run(local, world=world, on_ready=mirror.arm, preemptible=preemptible)  # pushes once checked
+    if not summary or "stopped_by_signal" in summary:
+        return {**summary, "store": cfg.store} if summary else summary
     from cache_format.audit import inspect_store
 
     info = inspect_store(cfg.store)  # the stage no longer holds the complete shards: the server's figures
@@ -224,7 +228,8 @@ def _check_data_file(path: str) -> None:
             raise ValueError(f"{path}: the data file holds no records")
 
 
-def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: float, on_ready=None) -> dict:
+def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: float, on_ready=None,
+                preemptible: bool = False) -> dict:
     if cfg.data:
         _check_data_file(cfg.data)
     # ------------------------------------------------------------------ target and data
@@ -246,36 +251,18 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     manifest = _create(cfg, world, target, layer_ids, samples, data)
     if on_ready is not None and world.rank == 0:
         on_ready()
-    h = target.info.hidden_size
-    quant = cfg.dtype if cfg.dtype in QUANTIZED else ""
-    ring = HostRing(cfg.queue_batches, cfg.token_budget,
-                    ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0, quant),
-                    pin=device.type == "cuda", shared=cfg.writer == "process")
-    ids = [world.rank * cfg.writers + w for w in range(cfg.writers)]
-    writers = ([ProcessWriter(cfg.store, i, ring) for i in ids] if cfg.writer == "process"
-               else [ShardWriter(cfg.store, writer_id=i) for i in ids])
     follower = LogFollower(Path(cfg.store))
     follower.poll()  # committed by any writer id: a resume with another world size skips them too
     committed = set(follower.index.sample_ids.tolist())
     todo = [r.sample_id for r in samples if r.sample_id not in committed]
     mine = partition(todo, [len(by_id[s].input_ids) for s in todo], world.world_size, world.rank)
-    batches = token_budget_batches(mine, [len(by_id[s].input_ids) for s in mine], cfg.token_budget)
-
-    # ------------------------------------------------------------------ forward -> store
-    # Host RAM for the ring is queue_batches x token_budget x bytes_per_token (e.g. 4 x 16384 x
-    # 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard buffer per bucket and writer, and one
-    # more per writer for the shard its I/O thread is writing.
-    bar = tqdm(total=sum(len(by_id[s].input_ids) for s in mine), unit="tok", disable=world.rank != 0,
-               desc=f"extract x{world.world_size}")
-    t_loop = time.time()
-    try:
-        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writers, ring,
-                                last_hidden=cfg.last_hidden, quant=quant, on_batch=bar.update)
-    finally:
-        bar.close()
-        ring.close()
+    preempt = Preemption()
+    with preempt if preemptible else contextlib.nullcontext():
+        nonfinite, elapsed = _forward_all(cfg, world, device, target, layer_ids, [by_id[s] for s in mine],
+                                          stop=lambda: preempt.signum is not None)
     tokens = sum(len(by_id[s].input_ids) for s in mine)
-    elapsed = time.time() - t_loop
+    if preempt.signum is not None:  # the batches handed to the writers are committed; a rerun goes on
+        return {"stopped_by_signal": preempt.signum, "store": cfg.store, "already_committed": len(committed)}
 
     # ------------------------------------------------------------------ finalize and report
     mine_stats = {"tokens": tokens, "seconds": elapsed, "written": len(mine) - sum(nonfinite.values()),
@@ -284,3 +271,31 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
                         layer_ids=layer_ids, t0=t0)
     world.barrier()
     return summary
+
+
+def _forward_all(cfg: ExtractConfig, world: World, device: torch.device, target, layer_ids: list[int],
+                 mine: list[Rendered], *, stop) -> tuple[Counter, float]:
+    """This rank's samples through the target into the store's writers: (refused counts, seconds)."""
+    h = target.info.hidden_size
+    quant = cfg.dtype if cfg.dtype in QUANTIZED else ""
+    ring = HostRing(cfg.queue_batches, cfg.token_budget,
+                    ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0, quant),
+                    pin=device.type == "cuda", shared=cfg.writer == "process")
+    ids = [world.rank * cfg.writers + w for w in range(cfg.writers)]
+    writers = ([ProcessWriter(cfg.store, i, ring) for i in ids] if cfg.writer == "process"
+               else [ShardWriter(cfg.store, writer_id=i) for i in ids])
+    by_id = {r.sample_id: r for r in mine}
+    batches = token_budget_batches(list(by_id), [len(r.input_ids) for r in mine], cfg.token_budget)
+    # Host RAM for the ring is queue_batches x token_budget x bytes_per_token (e.g. 4 x 16384 x
+    # 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard buffer per bucket and writer, and one
+    # more per writer for the shard its I/O thread is writing.
+    bar = tqdm(total=sum(len(r.input_ids) for r in mine), unit="tok", disable=world.rank != 0,
+               desc=f"extract x{world.world_size}")
+    t_loop = time.time()
+    try:
+        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writers, ring,
+                                last_hidden=cfg.last_hidden, quant=quant, on_batch=bar.update, stop=stop)
+    finally:
+        bar.close()
+        ring.close()
+    return nonfinite, time.time() - t_loop

@@ -75,6 +75,10 @@ def _child(store: str, writer_id: int, ring: HostRing, inbox, outbox, parent: in
     from cache_format import ShardWriter
 
     _die_with_parent(parent)
+    # a signal to the process group is the parent's to act on: it stops feeding and closes this writer,
+    # which commits what it holds (a parent that dies instead takes this process with it: PDEATHSIG)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         w = ShardWriter(store, writer_id=writer_id)
         outbox.put(("ready", None))

@@ -82,6 +82,38 @@ def test_sigkill_and_resume_equals_uninterrupted(tmp_path, llama):
     assert verify_store(store)["ok"] and verify_store(store)["duplicate_sample_ids"] == []
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_commits_what_was_extracted_and_a_rerun_goes_on(tmp_path, llama):
+    """A scheduler's SIGTERM to the whole job (the writer processes included): the run stops after the
+    batch in hand with the shell's code for it (143), every sample handed to the writers is committed
+    (the writers ignore the signal and are closed by the run), the store stays unfinalized and whole,
+    and the same command again completes it equal to an uninterrupted run."""
+    data = write_chats(tmp_path / "many.jsonl", 120, seed=2)
+    store, ref = tmp_path / "s.zarr", tmp_path / "ref.zarr"
+    p = _cli(_cli_args(store, llama, data, "--token-budget", "256"), start_new_session=True)
+    log = store / "commits" / "w00000.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if log.exists() and log.read_text().count("\n") >= 2:
+            os.killpg(p.pid, signal.SIGTERM)
+            break
+        time.sleep(0.01)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out and "rerun the same command" in out
+    assert not StoreReader(store).finalized
+    report = verify_store(store)
+    assert report["ok"], report
+    kept = len(StoreReader(store).sample_ids)
+    assert 0 < kept < 120
+    code, text = _cli_here(_cli_args(store, llama, data, "--json"))  # the rerun
+    assert code == 0, text
+    summary = json.loads(text[text.index("{"):])
+    assert summary["already_committed"] == kept
+    run(extract_cfg(ref, llama, data))
+    assert_same_content(content(store), content(ref), exact=False)
+
+
 def _children(pid: int) -> set[int]:
     try:
         return {int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
