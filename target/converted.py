@@ -24,7 +24,6 @@ loads read that in about a second.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import json
 import os
@@ -34,6 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from cache_format.lock import WriterLock
 
 __all__ = ["cache_root", "entry_lock", "gguf_parsed_once", "read_entry", "write_entry"]
 
@@ -53,22 +54,20 @@ def cache_root() -> Path | None:
 
 @contextmanager
 def entry_lock(sha: str) -> Iterator[None]:
-    """Hold this GGUF's conversion lock (blocking): the first holder converts, the rest read."""
+    """Hold this GGUF's conversion lock (blocking): the first holder converts, the rest read. The same
+    OS lock as a store's writer (cache_format.lock.WriterLock): the file `SHA.lock` in the cache."""
     root = cache_root()
     if root is None:
         yield
         return
+    lock = WriterLock(root / sha, what="GGUF conversion")
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root / f"{sha}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock.acquire(wait=True)
     except OSError:  # a read-only cache: no lock, and write_entry will not write either
         yield
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with lock:
         yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 @contextmanager

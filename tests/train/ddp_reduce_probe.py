@@ -5,6 +5,8 @@ mantissa), so the averaged gradient says which dtype was on the wire."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -26,3 +28,7 @@ if __name__ == "__main__":
     dist.barrier()
     del ddp
     dist.destroy_process_group()
+    # and no interpreter teardown: gloo's threads met C++ destructors there and still aborted a rank
+    # now and then with the reducer gone; the figures are printed, so the probe's work is done
+    sys.stdout.flush()
+    os._exit(0)
