@@ -1,6 +1,7 @@
 # draftcache: stage one (extract) writes a zarr v3 store of target hidden states; stage two (train)
 # trains a DFlash drafter from it; eval measures tau against the real target.
 PY      ?= .venv/bin/python
+DC      ?= .venv/bin/draftcache
 STORE   ?= stores/demo.zarr
 RUN     ?= runs/demo
 DATA    ?=
@@ -14,7 +15,8 @@ NPROC   ?= 1
 TEST_WORKERS ?= 2
 # GPUS=0 or GPUS=0,1 pins a stage to those GPUs (one process per GPU under torchrun).
 ENVGPU  = $(if $(GPUS),CUDA_VISIBLE_DEVICES=$(GPUS),)
-LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC),$(PY))
+# the draftcache command, under torchrun (one process per GPU) when NPROC > 1
+LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standalone --nproc-per-node $(NPROC) --no-python $(DC),$(DC))
 
 .PHONY: install test test-fast lint fmt demo extract train eval inspect verify clean
 
@@ -38,10 +40,10 @@ test-fast: install  # the inner loop: the tests not marked slow (process-level r
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lint: install
-	$(PY) -m ruff check cache_format target chat runtime extract train tests bench scripts
+	$(PY) -m ruff check cache_format target chat runtime extract train draftcache tests bench scripts
 
 fmt: install
-	$(PY) -m ruff check --fix cache_format target chat runtime extract train tests bench scripts
+	$(PY) -m ruff check --fix cache_format target chat runtime extract train draftcache tests bench scripts
 
 # The embedded default end to end: packaged SmolLM2 target + packaged prompts, on CPU in minutes.
 demo: install
@@ -56,20 +58,20 @@ demo: install
 	@echo "figures in docs/BENCHMARKS.md."
 
 extract: install
-	$(ENVGPU) $(LAUNCH) -m extract --store $(STORE) $(if $(DATA),--data $(DATA),) $(if $(TARGET),--target $(TARGET),) $(EXTRACT_ARGS)
-	$(PY) -m cache_format inspect $(STORE)
+	$(ENVGPU) $(LAUNCH) extract --store $(STORE) $(if $(DATA),--data $(DATA),) $(if $(TARGET),--target $(TARGET),) $(EXTRACT_ARGS)
+	$(DC) inspect $(STORE)
 
 train: install  # --resume: continues RUN if it holds a checkpoint (a finished run: nothing to do), else starts it
-	$(ENVGPU) $(LAUNCH) -m train --store $(STORE) --out $(RUN) --resume $(TRAIN_ARGS)
+	$(ENVGPU) $(LAUNCH) train --store $(STORE) --out $(RUN) --resume $(TRAIN_ARGS)
 
 eval: install
-	$(ENVGPU) $(PY) -m train.eval --run $(RUN) $(EVAL_ARGS)
+	$(ENVGPU) $(DC) eval --run $(RUN) $(EVAL_ARGS)
 
 inspect: install
-	$(PY) -m cache_format inspect $(STORE)
+	$(DC) inspect $(STORE)
 
 verify: install
-	$(PY) -m cache_format verify $(STORE)
+	$(DC) verify $(STORE)
 
 clean:
 	rm -rf stores runs

@@ -1,6 +1,7 @@
 """The house rules of imports, read from every module's source (imports inside functions included):
 the two stages never import each other, the store package imports no other package of the project,
-the packages both stages share (target, chat, runtime) import neither stage, and training (all of
+the packages both stages share (target, chat, runtime) import neither stage, nothing but the
+`draftcache` command imports it, and training (all of
 train/ but evaluation) never reaches the target loader, not even through another module of train/."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cache_format", "extract", "train", "target", "chat", "runtime")
+PACKAGES = ("cache_format", "extract", "train", "target", "chat", "runtime", "draftcache")
 SHARED = ("target", "chat", "runtime")
 # train's modules that decode with the real target: the only ones that may load it
 EVALUATION = {"train.eval", "train.eval_report", "train.acceptance", "train.spec_decode"}
@@ -70,6 +71,8 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{m} imports {d}: the store package imports no other package of the project")
             if top in SHARED and other in ("extract", "train"):
                 bad.append(f"{m} imports {d}: code both stages share imports neither stage")
+            if other == "draftcache" and top != "draftcache":
+                bad.append(f"{m} imports {d}: only the command imports the command (draftcache names the stages)")
         if top == "train" and m not in EVALUATION:
             bad += [f"{m} reaches {d}: training never loads the target" for d in reaches(graph, m, "train.")
                     if d.startswith("target.")]
@@ -85,6 +88,7 @@ def test_the_project_keeps_its_import_rules():
     ({"train.data": {"extract.plan"}}, "the stages never import each other"),
     ({"cache_format.reader": {"target.loader"}}, "the store package imports no other package"),
     ({"chat.prompts": {"train.data"}}, "code both stages share imports neither stage"),
+    ({"train.eval": {"draftcache.command"}}, "only the command imports the command"),
     ({"train.losses": {"train.spec_decode"}, "train.spec_decode": {"target.loader"}}, "training never loads the target"),
 ])
 def test_each_rule_catches_its_breach(extra, expected):
