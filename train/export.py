@@ -244,7 +244,7 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         for name in ("run", "out"):
-            if not getattr(self, name).strip():
+            if not (getattr(self, name) or "").strip():  # None: the option not given
                 raise ValueError(f"--{name} must name a directory")
 
     def to_dict(self) -> dict:
