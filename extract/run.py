@@ -7,7 +7,6 @@ loop never waits on the disk; rank 0 finalizes once every rank has closed its wr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -256,15 +255,14 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     committed = set(follower.index.sample_ids.tolist())
     todo = [r.sample_id for r in samples if r.sample_id not in committed]
     mine = partition(todo, [len(by_id[s].input_ids) for s in todo], world.world_size, world.rank)
-    preempt = Preemption()
-    with preempt if preemptible else contextlib.nullcontext():
+    with Preemption(enabled=preemptible) as preempt:
         nonfinite, elapsed = _forward_all(cfg, world, device, target, layer_ids, [by_id[s] for s in mine],
-                                          stop=lambda: preempt.signum is not None)
-    tokens = sum(len(by_id[s].input_ids) for s in mine)
-    if preempt.signum is not None:  # the batches handed to the writers are committed; a rerun goes on
+                                          stop=preempt.requested)
+    if preempt.requested():  # the batches handed to the writers are committed; a rerun goes on
         return {"stopped_by_signal": preempt.signum, "store": cfg.store, "already_committed": len(committed)}
 
     # ------------------------------------------------------------------ finalize and report
+    tokens = sum(len(by_id[s].input_ids) for s in mine)
     mine_stats = {"tokens": tokens, "seconds": elapsed, "written": len(mine) - sum(nonfinite.values()),
                   "nonfinite": dict(nonfinite)}
     summary = _finalize(cfg, world, manifest, mine_stats, skipped, data=data, already_committed=len(committed),

@@ -25,7 +25,10 @@ class Preemption:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        """enabled False: entering the context changes nothing (signals end the process as usual), so a
+        caller that may or may not be preemptible opens the same context either way."""
+        self.enabled = enabled
         self.signum: int | None = None
         self.stopping = multiprocessing.Value("b", 0, lock=False)
         self._old: dict[int, object] = {}
@@ -37,8 +40,13 @@ class Preemption:
         self.signum = signum
         self.stopping.value = 1
 
+    def requested(self) -> bool:
+        """A signal was noted: the loop should stop at its next point of its choosing."""
+        return self.signum is not None
+
     def __enter__(self) -> Preemption:
-        if threading.current_thread() is threading.main_thread():  # elsewhere Python sends no signals
+        # off the main thread Python sends no signals
+        if self.enabled and threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._note)
         return self

@@ -333,7 +333,7 @@ class Trainer:
                 if cfg.time_limit and self.step < self.total and any_rank_past(self.t_start + cfg.time_limit,
                                                                                self.device, self.world):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
-                if any_rank(self.preempt.signum is not None, self.device, self.world):
+                if any_rank(self.preempt.requested(), self.device, self.world):
                     self.state.stopping("signal")  # SIGTERM or SIGINT: the closing checkpoint is this step's
             self.state.epoch, self.state.in_epoch = epoch, s_idx + 1
             t_pause = time.time()

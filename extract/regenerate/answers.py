@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import sys
@@ -40,10 +39,9 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, preemptible: b
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     # preemptible: SIGTERM or SIGINT stop the run after its last whole record (a rerun goes on from there);
     # else they end the process as usual (a caller that goes on with the output must not get half of it)
-    preempt = Preemption()
-    with WriterLock(cfg.out, what="regeneration output"), (preempt if preemptible else contextlib.nullcontext()):
+    with WriterLock(cfg.out, what="regeneration output"), Preemption(enabled=preemptible) as preempt:
         _check_recorded_options(cfg)
-        res = _regenerate(cfg, loaded, lambda: preempt.signum is not None)
+        res = _regenerate(cfg, loaded, preempt.requested)
         res = dataclasses.replace(res, stopped_by_signal=preempt.signum or 0)
     # what made the output, beside it: extraction refuses to render it with other template options
     summary = {"chat_template_kwargs": cfg.template_kwargs, "turns": cfg.turns, "config": cfg.to_dict(),
