@@ -43,6 +43,15 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
     return ids.to(device, non_blocking=True), att.to(device, non_blocking=True)
 
 
+def _finite_rows(hid: torch.Tensor, last: torch.Tensor | None, att: torch.Tensor) -> torch.Tensor:
+    """bool [B]: the samples whose every real token's states (hid [B, T, K*H], last [B, T, H] or None)
+    are finite; padding (att [B, T] == 0) does not count."""
+    bad = ~torch.isfinite(hid).all(-1)  # [B, T]
+    if last is not None:
+        bad |= ~torch.isfinite(last).all(-1)
+    return ~(bad & att.bool()).any(-1)
+
+
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
                 writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *, last_hidden: bool,
                 quant: str = "", on_batch: Callable[[int], None] = lambda n: None,
@@ -75,10 +84,7 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                 out = base(input_ids=ids, attention_mask=att, use_cache=False)
                 hid = torch.cat([taps[lid] for lid in layer_ids], dim=-1).to(torch.bfloat16)  # [B, T, K*H]
                 last = out.last_hidden_state.to(torch.bfloat16) if last_hidden else None  # [B, T, H]
-                bad = ~torch.isfinite(hid).all(-1)
-                if last is not None:
-                    bad |= ~torch.isfinite(last).all(-1)
-                ok = ~(bad & att.bool()).any(-1)  # [B]
+                ok = _finite_rows(hid, last, att)  # [B]
                 if not writers:
                     refused[NONFINITE] += int((~ok).sum())  # syncs, like the copy would
                     on_batch(sum(len(r.input_ids) for r in batch))

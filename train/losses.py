@@ -212,20 +212,30 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence, confidence_penalty, chunk,
                                 backward, compiled)
     hit = hit & in_vocab
-    weighting, dense = weighting or Weighting(), None
-    if replay or weighting.decode_aware:
-        dense = torch.zeros(b, q, dtype=torch.bool, device=hidden.device).masked_scatter_(keep, hit)
-        dense = dense.view(b, q // block_size, block_size)  # [B, N, bs]
-    w_all = weighting.row_weights(dense, keep, anchors, spans, block_size=block_size, gamma=gamma)  # [B, Q]
-    w = w_all[keep] * in_vocab
-    wsum = w.sum()
-    loss = (row_loss * w).sum() / wsum.clamp(min=1e-12)
+    loss, wsum, dense = _weighted_mean(row_loss, hit, keep, in_vocab, weighting or Weighting(), anchors, spans,
+                                       block_size=block_size, gamma=gamma, replay=replay)
     correct = torch.zeros(block_size, device=hidden.device).index_add_(0, s, hit.float())
     count = torch.zeros(block_size, device=hidden.device).index_add_(0, s, torch.ones_like(hit, dtype=torch.float32))
     out = LossOut(loss=loss, weight_sum=wsum.detach(), correct=correct.detach(), count=count.detach())
     if replay:
         out["accepts"] = block_accepts(dense)
     return out
+
+
+def _weighted_mean(row_loss, hit, keep, in_vocab, weighting: Weighting, anchors, spans, *, block_size: int,
+                   gamma: float, replay: bool):
+    """The labelled rows' loss [n] averaged by their weights: (loss, weight sum, and the hits laid out
+    by block [B, N, bs] where the weights or `replay` need them, else None). keep [B, Q] marks the
+    labelled rows, hit and in_vocab [n] are theirs."""
+    b, q = keep.shape
+    dense = None
+    if replay or weighting.decode_aware:
+        dense = torch.zeros(b, q, dtype=torch.bool, device=keep.device).masked_scatter_(keep, hit)
+        dense = dense.view(b, q // block_size, block_size)  # [B, N, bs]
+    w_all = weighting.row_weights(dense, keep, anchors, spans, block_size=block_size, gamma=gamma)  # [B, Q]
+    w = w_all[keep] * in_vocab
+    wsum = w.sum()
+    return (row_loss * w).sum() / wsum.clamp(min=1e-12), wsum, dense
 
 
 @dataclass(frozen=True, kw_only=True)
