@@ -154,8 +154,10 @@ def _run_to_url(cfg: ExtractConfig, world: World, preemptible: bool = False) -> 
         return run(local, world=world, preemptible=preemptible)
     with writing_to(cfg.store, stage, ttl=cfg.lease_ttl, overwrite=cfg.overwrite) as mirror:
         summary = run(local, world=world, on_ready=mirror.arm, preemptible=preemptible)  # pushes once checked
-    if not summary or "stopped_by_signal" in summary:
-        return {**summary, "store": cfg.store} if summary else summary
+    if not summary:
+        return summary
+    if "stopped_by_signal" in summary:  # named by its URL, not the stage directory
+        return {**summary, "store": cfg.store}
     from cache_format.audit import inspect_store
 
     info = inspect_store(cfg.store)  # the stage no longer holds the complete shards: the server's figures

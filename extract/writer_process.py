@@ -20,6 +20,7 @@ import torch.multiprocessing as mp  # registers tensor reductions: shared storag
 
 from cache_format.codec import QuantRows
 from extract.ring import HostRing
+from runtime.preemption import Preemption
 
 __all__ = ["ProcessWriter", "WriteItem"]
 
@@ -77,7 +78,7 @@ def _child(store: str, writer_id: int, ring: HostRing, inbox, outbox, parent: in
     _die_with_parent(parent)
     # a signal to the process group is the parent's to act on: it stops feeding and closes this writer,
     # which commits what it holds (a parent that dies instead takes this process with it: PDEATHSIG)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in Preemption.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     try:
         w = ShardWriter(store, writer_id=writer_id)
