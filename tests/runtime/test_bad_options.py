@@ -68,3 +68,42 @@ def test_every_numeric_option_refuses_bad_values_in_one_line_or_keeps_them_exact
                 assert _one_line_error(res), (stage, flag, value, res.output, repr(res.exception))
             checked += 1
     assert checked or stage == "export", stage  # export alone has no numeric option
+
+
+def _typed_fields(stage: str, wanted) -> list[tuple[str, object]]:
+    cls = _config_class(STAGES[stage][1])
+    hints = typing.get_type_hints(cls)
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(cls) if wanted(hints[f.name])]
+
+
+def _is_tuple(kind) -> bool:
+    return typing.get_origin(kind) is tuple
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_text_option_refuses_a_bad_value_in_one_line_or_keeps_it_exactly(stage):
+    """A text option given an empty, a blank or an unknown value: refused in one line, or taken as given."""
+    for name, _ in _typed_fields(stage, lambda k: k is str):
+        flag = "--" + name.replace("_", "-")
+        for value in ("", "   ", "no-such-choice", "nan"):
+            res = _invoke(stage, [flag, value])
+            if res.exit_code == 0:
+                assert tomllib.loads(res.output)[name] == value, (stage, flag, value)
+            else:
+                assert _one_line_error(res), (stage, flag, value, res.output, repr(res.exception))
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_list_option_refuses_bad_items_in_one_line_or_keeps_them_exactly(stage):
+    """A list option (layer ids, tree budgets, shards, URLs) given junk, a negative or a NaN item."""
+    for name, kind in _typed_fields(stage, _is_tuple):
+        flag = "--" + name.replace("_", "-")
+        numeric = typing.get_args(kind)[0] is int
+        for value in ("x", "1,x", "nan", "-1", "1,,2", "1e400", " , ") if numeric else ("", " , ", "x,,y"):
+            res = _invoke(stage, [flag, value])
+            if res.exit_code == 0:  # taken: every item as given
+                got = tomllib.loads(res.output)[name]
+                want = [] if not value.strip() else [int(v) if numeric else v for v in value.split(",")]
+                assert got == want, (stage, flag, value, got)
+            else:
+                assert _one_line_error(res), (stage, flag, value, res.output, repr(res.exception))
