@@ -173,7 +173,7 @@ class TrainConfig:
     """Pad the context with keys no query sees to a multiple of this many tokens, so the draft blocks'
     keys start on a FlexAttention tile (fewer tiles visited): 1 never pads (default: the path the
     preset's figures were measured on), 0 pads to FlexAttention's 128-token tile when it runs. Exact
-    (tests/train/test_step.py); its step time on a GPU is not measured yet."""
+    (tests/train/test_step.py); the H200 preset pads (docs/benchmarks/2026-12-05_step-levers_h200.md)."""
     compile: bool = False
     """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient (GPU)."""
     loss_chunk: int = 2048
