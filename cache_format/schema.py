@@ -284,6 +284,10 @@ _RESUME_KEYS = (
     "dtype", "compression", "bucket_bounds", "rows_per_shard", "rows_per_chunk", "tokenizer_sha256",
 )
 
+# extraction options that decide what a sample holds or which samples the store keeps: rows rendered
+# or filtered another way must not join rows made before
+_RECORDED_OPTIONS = ("chat_template_kwargs", "drop_long", "min_supervised")
+
 
 def manifest_differences(old: Manifest, new: Manifest) -> list[str]:
     """Human-readable list of the settings that differ between two manifests."""
@@ -295,4 +299,8 @@ def manifest_differences(old: Manifest, new: Manifest) -> list[str]:
             va, vb = va[part], vb[part]
         if va != vb:
             out.append(f"{key}: store has {va!r}, now {vb!r}")
+    ea, eb = a.get("extract_config") or {}, b.get("extract_config") or {}
+    for key in _RECORDED_OPTIONS:  # recorded by the run that made the store: a resume may not change them
+        if key in ea and key in eb and ea[key] != eb[key]:
+            out.append(f"extract_config.{key}: store has {ea[key]!r}, now {eb[key]!r}")
     return out

@@ -84,6 +84,8 @@ def test_resume_refusals_and_overwrite(tmp_path, llama, chats):
         run(extract_cfg(store, llama, chats, layers=(1, 3), max_len=128, dtype="fp8_e4m3"))
     for key in ("layer_ids", "max_len", "dtype"):
         assert key in str(e.value)
+    with pytest.raises(ManifestMismatchError, match="chat_template_kwargs"):  # rows rendered another way
+        run(extract_cfg(store, llama, chats, chat_template_kwargs='{"enable_thinking": false}'))
     with pytest.raises(ValueError, match="layer id 9 out of range"):
         run(extract_cfg(store, llama, chats, layers=(0, 9)))
     with pytest.raises(ValueError, match="layer id 5 is the target's last layer"):  # 6 layers
