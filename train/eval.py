@@ -29,7 +29,10 @@ import click
 import torch
 from tqdm import tqdm
 
+from chat.conversations import history, read_conversations, segments
+from chat.prompts import evaluation_prompts, heldout_multiturn, validation_prompts
 from runtime.cli import config_command
+from target.loader import chat_ids, eos_ids, load_target, packaged_gguf, target_sha256
 from train.acceptance import decode_chain, teacher_forced_accepts, vocab_rejections
 from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.eval_config import EvalConfig
@@ -42,20 +45,12 @@ __all__ = ["evaluate"]
 
 def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
     if spec == "default":
-        from chat.prompts import evaluation_prompts
-
         prompts = evaluation_prompts()
     elif spec == "validation":
-        from chat.prompts import validation_prompts
-
         prompts = validation_prompts()
     elif spec == "multiturn":
-        from chat.prompts import heldout_multiturn
-
         prompts = heldout_multiturn()
     else:  # assistant turns are answered again by the target (_answer_earlier_turns): τ of the last turn
-        from chat.conversations import read_conversations
-
         prompts = [(f"{spec}:{sid + 1}", msgs)
                    for sid, msgs in read_conversations(spec, skip_bad=False, require_assistant=False)]
     return prompts[:limit] if limit else prompts
@@ -64,9 +59,6 @@ def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
 def _answer_earlier_turns(model, tok, msgs: list[dict], *, max_new_tokens: int, eos: set[int]) -> list[dict]:
     """The conversation as decoding meets its last user turn: assistant messages dropped, every earlier
     user turn answered by the target's own greedy reply (what a served chat would hold)."""
-    from chat.conversations import history, segments
-    from target.loader import chat_ids
-
     segs, answers = segments(msgs), []
     for _ in segs[:-1]:
         reply = target_generate(model, chat_ids(tok, history(segs, answers)), max_new_tokens=max_new_tokens,
@@ -91,7 +83,7 @@ def _drafters(run: str, checkpoint: str, export: str, whole_head: bool = True) -
         weights, _, state = load_checkpoint(ck)
         out["checkpoint"] = hf_drafter(*(as_whole_head(state, weights) if whole_head else (state, weights)))
     if export:
-        from transformers import AutoModel
+        from transformers import AutoModel  # here: its registry is slow to import, and only --export needs it
 
         if not (Path(export) / "modeling_dflash.py").is_file():
             raise ValueError(f"{export}: not a draftcache export (no modeling_dflash.py)")
@@ -122,8 +114,6 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     with both, the export's figures sit under "export" beside the checkpoint's (EvalConfig says what
     each option adds). With several tree budgets each prompt is decoded at every budget against one
     greedy baseline; the figures are the first budget's, and `tree_curve` holds every budget's."""
-    from target.loader import eos_ids, load_target
-
     budgets = list(cfg.tree_budget)
     drafters, state, ck = _drafters(cfg.run, cfg.checkpoint, cfg.export, not cfg.draft_head)
     target = cfg.target or ("" if state else _export_target(cfg.export))
@@ -158,8 +148,6 @@ def evaluate(cfg: EvalConfig) -> dict[str, Any]:
 def _decode_all(cfg: EvalConfig, todo, drafters: dict, keys: dict, model, tok, eos, device):
     """Every prompt decoded greedily by the target alone (the baseline), by each drafter at each
     budget, and by prompt lookup where asked: (rows by key, acceptance histograms by key, Tally)."""
-    from target.loader import chat_ids
-
     rows: dict[str, list] = {k: [] for k in keys}
     hist = {k: Counter() for k in keys}
     t = Tally(spec_s=dict.fromkeys(keys, 0.0))
@@ -226,8 +214,6 @@ def _export_target(export: str) -> str:
     """The target an export names (config.json "draftcache_target"): its path hint if that file is
     still the target (same sha256), else the packaged default target if it is that one; otherwise a
     one-line error naming the target to pass with --target."""
-    from target.loader import packaged_gguf, target_sha256
-
     want = json.loads((Path(export) / "config.json").read_text()).get("draftcache_target") or {}
     if not want.get("sha256"):
         raise ValueError(f"{export}: the export does not name its target; pass --target")
