@@ -11,6 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from cache_format import CacheFormatError, StoreReader
+from cache_format.layout import FROZEN_FILE
+from cache_format.lock import writer_gone
+from cache_format.remote import is_url, lease_gone, object_sizes
 
 __all__ = ["StoreView", "WriterWatch", "agree_view", "view_of", "wait_for_store"]
 
@@ -34,9 +37,6 @@ class WriterWatch:
         self.root, self.timeout, self.announce, self.since, self.said = root, timeout, announce, None, None
 
     def check(self) -> None:
-        from cache_format.lock import writer_gone
-        from cache_format.remote import is_url, lease_gone
-
         gone = lease_gone if is_url(self.root) else writer_gone
         why = gone(str(self.root)) if self.timeout else None
         if why is None:
@@ -62,9 +62,6 @@ def wait_for_store(root: str | Path, *, announce: bool, poll_s: float = 1.0, wat
     """Block until stage one has created the store and saved the frozen target parts (the last
     things it writes before any sample), so `make extract` and `make train --follow` can start together.
     `root` may be a URL: then both must be on the object server."""
-    from cache_format.layout import FROZEN_FILE
-    from cache_format.remote import is_url, object_sizes
-
     def there() -> bool:
         if is_url(root):
             try:

@@ -15,15 +15,17 @@ import torch
 
 from cache_format.layout import atomic_write_bytes
 from cache_format.lock import WriterLock
-from chat.conversations import history, segments
+from chat.conversations import history, read_conversations, segments
+from chat.prompts import train_prompts
 from extract.plan import generation_jobs
 from extract.regenerate.config import RegenConfig
 from extract.regenerate.openai_client import server_results
 from extract.regenerate.output_file import RegenSummary, done_pairs, write_results
 from extract.regenerate.sampling import request_key
+from extract.regenerate.static_engine import Request, StaticEngine, supports
 from extract.regenerate.turns import TurnLog, conversation_key, turn_key
 from runtime.preemption import Preemption
-from target.loader import chat_ids, eos_ids
+from target.loader import chat_ids, eos_ids, load_target, packaged_gguf
 
 __all__ = ["RegenConfig", "RegenSummary", "hf_tokens", "pre_query_text", "regenerate"]
 
@@ -79,9 +81,6 @@ def _check_recorded_options(cfg: RegenConfig) -> None:
 
 
 def _regenerate(cfg: RegenConfig, loaded, stop) -> RegenSummary:
-    from chat.conversations import read_conversations
-    from chat.prompts import train_prompts
-
     if cfg.invent:
         convs, num_samples = [], 1
     elif cfg.prompts == "default":
@@ -125,14 +124,10 @@ class _Local(NamedTuple):
 
 def _local_target(cfg: RegenConfig, loaded) -> _Local:
     """The target loaded (or the one given), with the engine --engine auto or static resolves to."""
-    from target.loader import load_target
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     t = loaded or load_target(cfg.target, device=device)
     engine = cfg.engine
     if engine in ("auto", "static"):
-        from extract.regenerate.static_engine import supports
-
         why = supports(t.model)
         if why and engine == "static":
             raise ValueError(f"--engine static: {why}; use --engine hf")
@@ -234,8 +229,6 @@ def _todo(cfg: RegenConfig, lengths: list[int], num_samples: int, done: set) -> 
 
 def _static_results(cfg, model, tok, todo, eos, batch) -> Iterator[tuple[tuple[int, int], str, int, int]]:
     """todo: [(job, prompt ids, sampling key)] -> (job, text, new tokens, attempts) by the static engine."""
-    from extract.regenerate.static_engine import Request, StaticEngine
-
     eng = StaticEngine(model, batch=batch, max_new_tokens=cfg.max_new_tokens, eos=eos, temperature=cfg.temperature,
                        top_k=cfg.top_k, top_p=cfg.top_p, sync_every=cfg.sync_every)
     reqs = [Request(job, ids, key) for job, ids, key in todo]
@@ -280,9 +273,6 @@ def _hf_results(cfg, model, tok, prompt_ids, num_samples, done, eos, batch, devi
 def _tokenizer_only(target: str):
     """The target's tokenizer (for its chat template) without loading the weights."""
     from transformers import AutoTokenizer
-
-    from target.loader import packaged_gguf
-
     path = Path(target or packaged_gguf())
     if path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)

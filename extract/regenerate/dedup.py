@@ -22,6 +22,10 @@ from pathlib import Path
 import click
 import numpy as np
 
+from cache_format.layout import atomic_write_bytes
+from chat.conversations import BadRecord, read_conversations
+from chat.prompts import heldout_user_texts
+
 __all__ = ["jaccard", "near_duplicates", "out_options", "shingles", "write_prompts"]
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -75,8 +79,6 @@ def near_duplicates(texts: Sequence[str], *, threshold: float = 0.7, reference: 
 def _first_users(path: Path) -> list[str]:
     """The first user message of each conversation of a prompts file ("" where there is none); a bad
     line stops with chat.conversations' one-line error naming file and line."""
-    from chat.conversations import BadRecord, read_conversations
-
     try:
         return [next((m["content"] for m in msgs if m["role"] == "user"), "")
                 for _, msgs in read_conversations(path, skip_bad=False, require_assistant=False, allow_empty=True)]
@@ -109,9 +111,6 @@ def main(prompts: Path, out: Path, limit: int) -> None:
 def write_prompts(texts: Sequence[str], out: Path, limit: int = 0) -> tuple[int, int]:
     """A prompts file (one user turn a line, written whole) of `texts` less their near-duplicates and
     echoes of any evaluation prompt, the first `limit` kept (0: all). Returns (kept, dropped)."""
-    from cache_format.layout import atomic_write_bytes
-    from chat.prompts import heldout_user_texts
-
     drop = set(near_duplicates(texts, reference=heldout_user_texts()))
     kept = [t for k, t in enumerate(texts) if k not in drop][: limit or None]
     lines = "".join(json.dumps({"messages": [{"role": "user", "content": t}]}, ensure_ascii=False) + "\n" for t in kept)

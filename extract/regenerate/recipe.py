@@ -27,7 +27,11 @@ import time
 from pathlib import Path
 
 from cache_format.layout import atomic_write_bytes
+from chat.prompts import heldout_user_texts, train_prompts
+from extract.regenerate.answers import regenerate
 from extract.regenerate.config import RegenConfig
+from extract.regenerate.dedup import near_duplicates
+from target.loader import load_target
 
 __all__ = ["LONG_SHARE", "LONG_TOKENS", "OPENINGS", "SHARES", "build_recipe", "interleave"]
 
@@ -91,10 +95,6 @@ def build_recipe(name: str, *, out_dir: str, samples: int, long_tokens: int = LO
     if long_tokens < 0:
         raise ValueError(f"--recipe-long-tokens {long_tokens}: must be >= 0 (0: no long answers)")
     import torch
-
-    from chat.prompts import train_prompts
-    from target.loader import load_target
-
     d = Path(out_dir)
     (d / "parts").mkdir(parents=True, exist_ok=True)
     i, n = kw.get("shard", (0, 1))
@@ -138,8 +138,6 @@ def _invent(d: Path, targets: dict[str, int], shard: tuple[int, int], base: dict
             max_new_tokens: int) -> None:
     """Stage 1: each opening invents an equal share of its domain's prompts (OVERDRAW of them, as
     duplicates are dropped next); then wait for every shard's invention."""
-    from extract.regenerate.answers import regenerate
-
     i, n = shard
     for dom, openings in OPENINGS.items():
         per = math.ceil(targets[dom] * OVERDRAW / len(openings))
@@ -158,9 +156,6 @@ def _select(d: Path, targets: dict[str, int], shard: tuple[int, int], packaged: 
     of the held-out prompts and of the packaged ones dropped; each domain's prompts written (shard 0,
     or whichever finds the file missing), the last `long_share` of them to DOM_long_prompts.jsonl.
     Returns the counts per domain."""
-    from chat.prompts import heldout_user_texts
-    from extract.regenerate.dedup import near_duplicates
-
     i, n = shard
     held = heldout_user_texts()
     seen: list[str] = [m[0]["content"] for m in packaged]
@@ -189,8 +184,6 @@ def _answer(d: Path, shard: tuple[int, int], packaged: list, base: dict, loaded,
             max_new_tokens: int, long_tokens: int, long_domains: tuple[str, ...]) -> list[tuple]:
     """Stage 3: this shard's share of every prompt file answered; returns the jobs (tag, prompts,
     samples per prompt, temperature, new-token cap) in merge order."""
-    from extract.regenerate.answers import regenerate
-
     i, n = shard
     packaged_path = d / "packaged_math_prompts.jsonl"
     _write_users(packaged_path, packaged)
