@@ -12,6 +12,7 @@ import torch
 from cache_format.checksums import check_checksums
 from cache_format.codec import checksum
 from cache_format.errors import CacheFormatError
+from cache_format.layout import STATE_KEY, read_root_attrs
 from cache_format.reader import StoreReader, check_shard
 from cache_format.remote import default_local, is_url, object_sizes, pull
 
@@ -67,8 +68,6 @@ def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _state(r: StoreReader) -> dict[str, Any]:
-    from cache_format.layout import STATE_KEY, read_root_attrs
-
     return read_root_attrs(r.root).get(STATE_KEY, {})
 
 

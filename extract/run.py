@@ -28,6 +28,7 @@ from cache_format import (
     write_frozen,
     write_prompt_keys,
 )
+from cache_format.audit import inspect_store
 from cache_format.checksums import record_checksums, sha256_file
 from cache_format.codec import QUANTIZED
 from cache_format.index import LogFollower
@@ -38,12 +39,13 @@ from cache_format.schema import check_layer_ids, default_bucket_bounds, default_
 from extract.config import ExtractConfig
 from extract.pipeline import compile_decoder, ring_fields, run_batches
 from extract.plan import dflash_layer_ids, partition, token_budget_batches
+from extract.regenerate.answers import regenerate
 from extract.rendering import BadRecord, Rendered, read_conversations, render_many
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
 from runtime.preemption import Preemption
 from runtime.world import World
-from target.loader import frozen_parts, load_target, mask_token_of
+from target.loader import frozen_parts, load_target, mask_token_of, packaged_gguf, target_sha256
 
 __all__ = ["run"]
 
@@ -55,8 +57,6 @@ def default_data_path(cfg: ExtractConfig) -> Path:
     """Where the default data for `cfg` lives: named by a hash of everything that decides it (the
     target file's sha256, the prompt limit, the seed, the generation settings), so another target,
     limit or seed never reuses these answers."""
-    from target.loader import packaged_gguf, target_sha256
-
     ident = {"target_sha256": target_sha256(cfg.target or packaged_gguf()), "limit": cfg.limit or 64,
              "seed": cfg.seed, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "temperature": 0.0,
              "prompts": "packaged training prompts"}
@@ -68,8 +68,6 @@ def _default_data(cfg: ExtractConfig, world: World) -> str:
     """The packaged prompts with target-generated responses (rank 0 generates once per identity)."""
     path = default_data_path(cfg)
     if not path.exists() and world.rank == 0:
-        from extract.regenerate.answers import regenerate
-
         path.parent.mkdir(parents=True, exist_ok=True)
         # two extractions at once: one builds, the other waits for it and then reads what it built
         with WriterLock(path, what="default data").acquire(wait=True):
@@ -158,8 +156,6 @@ def _run_to_url(cfg: ExtractConfig, world: World, preemptible: bool = False) -> 
         return summary
     if "stopped_by_signal" in summary:  # named by its URL, not the stage directory
         return {**summary, "store": cfg.store}
-    from cache_format.audit import inspect_store
-
     info = inspect_store(cfg.store)  # the stage no longer holds the complete shards: the server's figures
     return {**summary, "store": cfg.store, "stage_dir": str(stage), "bytes_per_token": info["bytes_per_token"],
             "store_bytes": info["disk_bytes"]}
@@ -204,8 +200,6 @@ def _finalize(cfg: ExtractConfig, world: World, manifest: Manifest, mine_stats: 
         for s in stats:
             skipped.update(s["nonfinite"])
         state = finalize_store(cfg.store, manifest)
-        from cache_format.audit import inspect_store
-
         info = inspect_store(cfg.store)
         summary = {
             "store": cfg.store, "data": str(data), "samples_written_now": sum(s["written"] for s in stats),

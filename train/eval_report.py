@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chat.prompts import domain_of
 from train.acceptance import per_response_tau
 
 __all__ = ["Tally", "by_source", "plot", "source_of", "summary", "tau_so_far", "teacher_forced_figures",
@@ -78,8 +79,6 @@ def _sums_by(rows: list[dict[str, Any]], group, keys: tuple[str, ...]) -> dict[s
 
 
 def _domain(row: dict[str, Any]) -> str:
-    from chat.prompts import domain_of
-
     return domain_of(source_of(row["prompt"]))
 
 

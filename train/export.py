@@ -28,7 +28,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from runtime.cli import config_command
+from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.model import DrafterConfig
+from train.modeling_dflash import DFlashDraftModel
 
 __all__ = ["SERVED_FILES", "ExportConfig", "export_config", "export_run", "from_export_names", "hf_drafter",
            "to_export_names", "write_export"]
@@ -72,8 +74,6 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
     first, the export is written beside `out` (`.NAME.partial`) and swapped in by renames, and only
     then is the old export removed. `out` may not be the run directory, lie inside it or hold it.
     """
-    from train.checkpoint import load_checkpoint, resolve_checkpoint
-
     dst, run_dir = Path(out).resolve(), Path(run).resolve()
     if dst == run_dir or run_dir in dst.parents or dst in run_dir.parents:
         raise ValueError(f"--out {out}: is, holds or lies inside the run directory {run}; choose another --out")
@@ -175,8 +175,6 @@ def export_config(state: dict) -> dict:
 def hf_drafter(state: dict, weights: dict[str, torch.Tensor]):
     """A checkpoint as the exported model class (float32): what the export serves, before bf16."""
     from transformers import Qwen3Config
-
-    from train.modeling_dflash import DFlashDraftModel
 
     model = DFlashDraftModel(Qwen3Config(**export_config(state)))
     model.load_state_dict(to_export_names(weights))

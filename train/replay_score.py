@@ -27,7 +27,7 @@ import click
 import numpy as np
 import torch
 
-from cache_format import StoreReader
+from cache_format import CacheFormatError, StoreReader
 from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.data import CollateSettings, replay_dataset
 from train.export import as_whole_head, read_export
@@ -118,8 +118,6 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
 def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, samples: str, token_budget: int,
          tree_budget: str, as_json: bool) -> None:
     """A drafter's decoding τ replayed along a store's answers (no target needed)."""
-    from cache_format import CacheFormatError
-
     try:
         ids = tuple(int(x) for x in samples.split(",") if x.strip())
     except ValueError:

@@ -13,6 +13,7 @@ from pathlib import Path
 from cache_format.logs import cut_torn_line
 from chat.conversations import history
 from extract.regenerate.config import RegenConfig
+from extract.regenerate.loops import loop_start
 from extract.regenerate.turns import TurnLog, conversation_key
 from runtime.oserrors import WRITE_LIMITS, write_failure
 
@@ -70,8 +71,6 @@ def _append(cfg: RegenConfig, f, segs, results, log, finished, bar, t0: float,
             stop) -> tuple[int, int, int, int, int]:
     """Write each finished conversation's record to f (fsync every 2 s and at the end) until the
     results end or `stop()` says to: the counts (written, failed, new tokens, retried, looping)."""
-    from extract.regenerate.loops import loop_start
-
     written = failed = tokens = retried = looping = 0
     last_sync = t0
     for (i, k), text, n, attempts in results:
