@@ -45,9 +45,10 @@ class _Seq(click.ParamType):
         self.name = f"{item.__name__}{sep}..."
 
     def convert(self, value: Any, param, ctx) -> tuple:
-        items = list(value) if isinstance(value, (list, tuple)) else str(value).split(self.sep)
-        if not isinstance(value, (list, tuple)) and not str(value).strip():
-            items = []  # an empty value is the empty list (the field's "none given")
+        if isinstance(value, (list, tuple)):
+            items = list(value)
+        else:  # an empty value is the empty list (the field's "none given")
+            items = str(value).split(self.sep) if str(value).strip() else []
         if any(isinstance(x, str) and not x.strip() for x in items):  # "1,,2": a slip, not [1, 2]
             self.fail(f"an empty item in {value!r} (values separated by {self.sep!r})", param, ctx)
         try:

@@ -28,6 +28,7 @@ from typing import Any
 import click
 import torch
 from tqdm import tqdm
+from transformers import AutoModel
 
 from chat.conversations import history, read_conversations, segments
 from chat.prompts import evaluation_prompts, heldout_multiturn, validation_prompts
@@ -83,8 +84,6 @@ def _drafters(run: str, checkpoint: str, export: str, whole_head: bool = True) -
         weights, _, state = load_checkpoint(ck)
         out["checkpoint"] = hf_drafter(*(as_whole_head(state, weights) if whole_head else (state, weights)))
     if export:
-        from transformers import AutoModel  # here: its registry is slow to import, and only --export needs it
-
         if not (Path(export) / "modeling_dflash.py").is_file():
             raise ValueError(f"{export}: not a draftcache export (no modeling_dflash.py)")
         # exactly as a user loads it: the export's own modeling file, its bf16 weights; checked against

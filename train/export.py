@@ -26,6 +26,7 @@ from pathlib import Path
 import click
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
 
 from runtime.cli import config_command
 from train.checkpoint import load_checkpoint, resolve_checkpoint
@@ -174,8 +175,6 @@ def export_config(state: dict) -> dict:
 
 def hf_drafter(state: dict, weights: dict[str, torch.Tensor]):
     """A checkpoint as the exported model class (float32): what the export serves, before bf16."""
-    from transformers import Qwen3Config
-
     model = DFlashDraftModel(Qwen3Config(**export_config(state)))
     model.load_state_dict(to_export_names(weights))
     return model

@@ -26,6 +26,8 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 from cache_format.layout import atomic_write_bytes
 from chat.prompts import heldout_user_texts, train_prompts
 from extract.regenerate.answers import regenerate
@@ -94,7 +96,6 @@ def build_recipe(name: str, *, out_dir: str, samples: int, long_tokens: int = LO
         raise ValueError(f"--recipe {name!r}: the only recipe is 'default'")
     if long_tokens < 0:
         raise ValueError(f"--recipe-long-tokens {long_tokens}: must be >= 0 (0: no long answers)")
-    import torch
     d = Path(out_dir)
     (d / "parts").mkdir(parents=True, exist_ok=True)
     i, n = kw.get("shard", (0, 1))

@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 
+import obstore
 import pytest
 
-from cache_format import StoreReader
+from cache_format import CacheFormatError, StoreReader
 from cache_format.mirror import Mirror
+from cache_format.remote import open_bucket
 from tests.cache_format.fault_proxy import KINDS, FaultProxy
 from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
 
@@ -56,11 +58,6 @@ def test_push_read_inspect_and_verify_survive_every_kind_of_fault(tmp_path, stor
 
 def test_a_read_through_faults_of_a_damaged_object_is_still_refused(tmp_path, store_and_url, monkeypatch):
     """Retries must not launder damage: a shard damaged on the server is refused in one line, faults or not."""
-    import obstore
-
-    from cache_format import CacheFormatError
-    from cache_format.remote import open_bucket
-
     m, local, url = store_and_url
     Mirror(local, url).push()
     bucket = open_bucket(url)
