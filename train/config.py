@@ -110,8 +110,9 @@ class TrainConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps (0 = run all epochs)."""
     time_limit: float = 0.0
-    """Seconds this process may train (0 = no limit): past it, the run stops at the next --log-every
-    step with a checkpoint and exits 0; --resume continues it (for job schedulers' time limits)."""
+    """Seconds this process may train (0 = no limit): the run stops at the last --log-every step whose
+    closing held-out pass and checkpoint (timed as the longest so far) still end within it, and exits 0;
+    --resume continues it (for job schedulers' time limits)."""
     token_budget: int = 8192
     """Context tokens per micro-batch (batch size x longest sample)."""
     grad_accum: int = 1

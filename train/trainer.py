@@ -65,6 +65,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, preempt: Preemption | None = None) -> None:
         self.cfg, self.t_start = cfg, time.time()
+        self.closing_s = 0.0  # what a held-out pass and a checkpoint take, kept free before --time-limit
         self.preempt = preempt or Preemption()  # one not entered never notes a signal
         world = World.from_env()
         self.rank, self.world, self.local_world = world.rank, world.world_size, world.local_world_size
@@ -330,8 +331,9 @@ class Trainer:
             self.bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == self.total:
                 self.log_row(epoch)
-                if cfg.time_limit and self.step < self.total and any_rank_past(self.t_start + cfg.time_limit,
-                                                                               self.device, self.world):
+                # the closing held-out pass and checkpoint must fit in the limit too: stop that much early
+                deadline = self.t_start + cfg.time_limit - self.closing_s
+                if cfg.time_limit and self.step < self.total and any_rank_past(deadline, self.device, self.world):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
                 if any_rank(self.preempt.requested(), self.device, self.world):
                     self.state.stopping("signal")  # SIGTERM or SIGINT: the closing checkpoint is this step's
@@ -343,7 +345,9 @@ class Trainer:
                     self.state.stopping("patience")  # the checkpoint below and the final one are this step's
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save()
-            self.stats.pause(time.time() - t_pause)  # a row rates training steps, not validation or saving
+            paused = time.time() - t_pause
+            self.stats.pause(paused)  # a row rates training steps, not validation or saving
+            self.closing_s = max(self.closing_s, paused)  # the longest held-out pass + checkpoint so far
             if self.step >= self.total:
                 self.state.stopping("steps")
             if self.state.stop:

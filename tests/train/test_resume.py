@@ -170,6 +170,38 @@ def test_time_limit_stops_at_a_logged_step_with_a_checkpoint_and_resume_finishes
     assert [r["step"] for r in metric_rows(out) if "loss" in r] == [5, 10, 15, 20]
 
 
+def test_time_limit_keeps_room_for_the_closing_held_out_pass(store, tmp_path, monkeypatch):
+    # a clock that moves 0.01 s a reading and 100 s a held-out pass: with a 150 s limit, the pass at
+    # step 3 leaves 50 s, too little for another pass, so the run stops at its next row (step 5), not at
+    # step 10 (past the limit only after a second pass)
+    import types
+
+    import train.state as state
+    import train.trainer as trainer
+
+    now = [1000.0]
+
+    def clock():
+        now[0] += 0.01
+        return now[0]
+
+    fake = types.SimpleNamespace(time=clock, sleep=lambda s: None)
+    monkeypatch.setattr(trainer, "time", fake)
+    monkeypatch.setattr(state, "time", fake)
+    scored = trainer.evaluate_holdout
+
+    def slow(*args, **kwargs):
+        now[0] += 100.0
+        return scored(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "evaluate_holdout", slow)
+    res = train(train_cfg(store, tmp_path / "t", max_steps=20, time_limit=150, val_samples=4, val_every=3))
+    assert res["stopped_by_time"] and res["steps"] == 5
+    monkeypatch.setattr(trainer, "evaluate_holdout", scored)  # no pass slower than the limit's room
+    res = train(train_cfg(store, tmp_path / "u", max_steps=20, time_limit=150, val_samples=4, val_every=3))
+    assert not res["stopped_by_time"] and res["steps"] == 20
+
+
 def test_the_best_held_out_checkpoint_is_kept_and_survives_a_resume(store, tmp_path, monkeypatch):
     # scripted scores: the best comes at step 20; after a resume, scores below it must not replace it
     import train.trainer as trainer
