@@ -33,6 +33,7 @@ SUITES = {
     "vocab": ("bench.vocab_bench", "a draft vocabulary's coverage of the target's greedy answers, by size (CPU)"),
     "tree-step": ("bench.tree_step_bench", "where a draft-tree decoding step's time goes, by node budget (GPU)"),
     "confidence": ("bench.confidence_bench", "rejected drafts by the target's own top-1 probability there, per domain"),
+    "peers": ("bench.peers_bench", "speculators' drafters on our samples: its input files, its checkpoints as our exports"),
     "real-target": ("scripts/scale_run.sh", "the packaged target end to end: extract, train, eval (GPU machine)"),
 }
 

@@ -1,0 +1,235 @@
+"""The peer side by side: speculators 0.9.0's drafters on our samples, and their checkpoints decoded
+by `train.eval` as ours are.
+
+    python -m bench peers rows --store S --out D              # S's samples as rows for prepare-data
+    python -m bench peers hidden --store S --data D           # then their hidden-state files, in its order
+    python -m bench peers convert --checkpoint CK --store S --out E   # its checkpoint -> our export
+
+speculators trains offline from an Arrow dataset of `input_ids` / `loss_mask` rows (its
+`prepare-data` passes rows that carry both straight through) and one `hidden_states/hs_{i}.safetensors`
+per row: `hidden_states` [T, taps + 1, H] and `token_ids` [T], where the extra last entry is the
+target's last decoder layer before the final norm (its teacher is lm_head(norm(that))). A store keeps
+the final state after the norm (`extract --last-hidden`); `hidden` writes it divided by the norm's
+weight, an input the norm maps back onto it exactly, so the teacher's logits are the target's. Both
+drafters then train from the same store and taps. `prepare-data` shuffles the rows, and the files are
+named by its order: so `rows` comes before it and `hidden` after.
+
+Its checkpoints use the DFlash authors' weight names (`layers.*`, `fc`, `hidden_norm`, `norm`; a
+DSpark drafter adds `markov_head.markov_w1` / `markov_w2`, as ours), a frozen copy of the target's
+embedding and lm_head rows (`d2t` maps its draft vocabulary onto the target's), a `verifier_norm` and,
+for DSpark, a confidence head that serving without its adaptive budget does not use. `convert` keeps
+what drafting reads and writes our export of it, so `train.eval --export E` decodes it against the
+same target, prompts and lossless check as ours.
+
+A side-by-side run (HF = the target as an HF directory: ~/.cache/draftcache/targets/SHA256 after
+any load of the GGUF; speculators' layer ids are ours + 1; its flags as of 0.9.0):
+
+    python -m extract --config configs/smollm2-h200/extract.toml --store S --data SUBSET --last-hidden
+    python -m train --config configs/smollm2-h200/train.toml --store S --out OURS --time-limit T
+    python -m bench peers rows --store S --out D
+    speculators prepare-data --model HF --data D/rows.jsonl --output D --minimum-valid-tokens 0 --seq-length 1024
+    python -m bench peers hidden --store S --data D
+    speculators train --speculator-type dspark --verifier-name-or-path HF --data-path D --num-layers 5 \
+        --block-size 8 --target-layer-ids 2 9 15 21 28 --mask-token-id 16 --full-attention-indices 0 1 2 3 4 \
+        --no-sample-from-anchor --no-enable-confidence-head --lr 1.2e-3 --scheduler-type cosine \
+        --max-steps N --save-path CK        # N: its steps in T seconds (dflash: --speculator-type dflash)
+    python -m bench peers convert --checkpoint CK/... --store S --out E
+    python -m train.eval --export E --limit 48 --max-new-tokens 96 --no-prompt-lookup --tree-budget 0,512
+
+speculators' training needs a GPU (it moves the drafter to the accelerator); on a CPU its
+`train --dry-run` writes an initialized checkpoint, which `convert` and `train.eval` take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cache_format import CacheFormatError, StoreReader
+from train.export import as_whole_head, from_export_names, write_export
+from train.model import DrafterConfig
+
+# what a converted drafter keeps of a speculators checkpoint: the backbone and the Markov head
+KEPT = ("layers.", "fc.", "hidden_norm.", "norm.", "markov_head.markov_w1.", "markov_head.markov_w2.")
+# frozen copies of the target's tensors and heads that drafting as we serve it does not read
+DROPPED = ("embed_tokens.", "lm_head.", "verifier_lm_head.", "verifier_norm.", "t2d", "confidence_head.")
+CHUNK = 64  # samples read from the store at a time
+
+
+def write_peer_rows(store: str, out: str, *, limit: int = 0) -> dict:
+    """The store's samples (the first `limit`, 0 = all) as rows speculators' `prepare-data` passes
+    through: `out`/rows.jsonl (input_ids, loss_mask), written whole or not at all."""
+    reader = StoreReader(store, verify_shards=True)
+    if not reader.manifest.last_hidden:
+        raise ValueError(f"{store}: it holds no final hidden state, which speculators' teacher reads: extract "
+                         "with --last-hidden")
+    ids = reader.sample_ids[: limit or None]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    dst = Path(out) / "rows.jsonl"
+    with open(str(dst) + ".partial", "w") as rows:
+        for lo in range(0, len(ids), CHUNK):
+            for s in reader.get_batch(ids[lo:lo + CHUNK]):
+                rows.write(json.dumps({"input_ids": s.input_ids.tolist(),
+                                       "loss_mask": [int(x) for x in s.loss_mask.tolist()]}) + "\n")
+    os.replace(str(dst) + ".partial", dst)
+    return {"rows": len(ids), "out": str(dst)}
+
+
+def write_peer_hidden(store: str, out: str, order: list[list[int]]) -> dict:
+    """hidden_states/hs_{i}.safetensors under `out` for the i-th row of `order` (the token ids of the
+    rows as `prepare-data` left them: it shuffles), each the store's sample of those tokens. Written
+    beside and renamed into place at the end: a stopped run leaves no hidden_states/."""
+    reader = StoreReader(store, verify_shards=True)
+    m = reader.manifest
+    if not m.last_hidden:
+        raise ValueError(f"{store}: it holds no final hidden state, which speculators' teacher reads: extract "
+                         "with --last-hidden")
+    k, h = len(m.layer_ids), m.target.hidden_size
+    w = reader.frozen()["norm.weight"].float() if m.last_hidden_post_norm else torch.ones(h)  # [H] final norm
+    if bool((w.abs() < 1e-6).any()):
+        raise ValueError(f"{store}: the target's final norm has zero weights: its input cannot be recovered")
+    by_tokens = {tuple(reader.get(int(sid)).input_ids.tolist()): int(sid) for sid in reader.sample_ids}
+    missing = [i for i, ids in enumerate(order) if tuple(ids) not in by_tokens]
+    if missing:
+        raise ValueError(f"{out}: {len(missing)} prepared rows (first: row {missing[0]}) are no sample of {store}")
+    dst, tmp = Path(out) / "hidden_states", Path(out) / "hidden_states.partial"
+    if dst.exists():
+        raise ValueError(f"{dst} exists: remove it to write it again")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    nbytes = 0
+    for i, ids in enumerate(order):
+        s = reader.get(by_tokens[tuple(ids)])
+        # an input of the final norm that it maps onto the stored state: norm(last / w) = last, as
+        # rms(last / w) = 1; the teacher, lm_head(norm(.)), is then the target's own logits
+        last = (s.last_hidden.float() / w).unsqueeze(1)  # [T, 1, H]
+        hidden = torch.cat([s.hidden.view(-1, k, h).float(), last], 1).to(torch.bfloat16)  # [T, K + 1, H]
+        save_file({"hidden_states": hidden, "token_ids": s.input_ids.long().contiguous()},
+                  str(tmp / f"hs_{i}.safetensors"))
+        nbytes += (tmp / f"hs_{i}.safetensors").stat().st_size
+    os.replace(tmp, dst)
+    return {"rows": len(order), "taps": k + 1, "hidden_bytes": nbytes, "out": str(dst)}
+
+
+def prepared_order(data: str) -> list[list[int]]:
+    """The token ids of the rows of a `speculators prepare-data` output directory, in its order."""
+    try:
+        from datasets import load_from_disk  # speculators' own dependency: installed with it, not with us
+    except ImportError:
+        raise ValueError("reading prepare-data's output needs the `datasets` package that speculators "
+                         "installs") from None
+    try:
+        return [list(map(int, r)) for r in load_from_disk(data).with_format(None)["input_ids"]]
+    except (OSError, ValueError, FileNotFoundError) as e:
+        raise ValueError(f"{data}: not a prepare-data output ({e})") from None
+
+
+def speculators_drafter(cfg: dict, *, vocab_size: int) -> DrafterConfig:
+    """Our DrafterConfig of a speculators DFlash or DSpark checkpoint's config.json; one ValueError
+    where it drafts in a way our served model does not."""
+    kind = cfg.get("speculators_model_type")
+    if kind not in ("dflash", "dspark"):
+        raise ValueError(f"a {kind!r} drafter: only dflash and dspark checkpoints convert")
+    if cfg.get("sample_from_anchor"):
+        raise ValueError("it drafts from the anchor slot (sample_from_anchor): ours serve the anchor as the "
+                         "verified token; train it with --no-sample-from-anchor")
+    if kind == "dspark" and cfg.get("markov_rank") and cfg.get("markov_head_type", "vanilla") != "vanilla":
+        raise ValueError(f"its Markov head is {cfg['markov_head_type']!r}: only the vanilla head converts")
+    t = cfg["transformer_layer_config"]
+    rope = t.get("rope_parameters") or {}
+    draft_vocab = int(cfg.get("draft_vocab_size") or vocab_size)
+    return DrafterConfig(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+                         num_layers=t["num_hidden_layers"], num_heads=t["num_attention_heads"],
+                         num_kv_heads=t["num_key_value_heads"],
+                         head_dim=t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+                         vocab_size=vocab_size, num_taps=len(cfg["aux_hidden_state_layer_ids"]),
+                         block_size=cfg["block_size"], mask_token_id=cfg["mask_token_id"],
+                         rope_theta=float(rope.get("rope_theta", t.get("rope_theta", 10000.0))),
+                         rms_eps=t["rms_norm_eps"], draft_vocab_size=0 if draft_vocab == vocab_size else draft_vocab,
+                         markov_rank=int(cfg.get("markov_rank") or 0) if kind == "dspark" else 0)
+
+
+def speculators_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our weight names of what a speculators checkpoint drafts with; its d2t (offsets: target id =
+    draft index + d2t) becomes draft_ids. A tensor neither kept nor known to be unused is an error."""
+    out, unknown = {}, []
+    for key, v in weights.items():
+        if key.startswith(KEPT):
+            out[key] = v
+        elif key == "d2t":
+            out["draft_ids"] = torch.arange(v.numel(), dtype=torch.long) + v.long()
+        elif not key.startswith(DROPPED):
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"tensors this converter does not know: {', '.join(sorted(unknown)[:5])}")
+    return from_export_names(out)
+
+
+def convert_checkpoint(checkpoint: str, store: str, out: str, *, whole_head: bool = True) -> Path:
+    """Our export (train.export's layout) of a speculators checkpoint directory, for the target of
+    `store` (its identity goes into the export, so train.eval finds and checks that target)."""
+    ck = Path(checkpoint)
+    try:
+        cfg = json.loads((ck / "config.json").read_text())
+        weights = load_file(str(ck / "model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{checkpoint}: not a readable speculators checkpoint ({e})") from None
+    m = StoreReader(store).manifest
+    try:
+        dc = speculators_drafter(cfg, vocab_size=m.target.vocab_size)
+        ours = speculators_weights(weights)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{checkpoint}: {e if isinstance(e, ValueError) else f'config.json lacks {e}'}") from None
+    layer_ids = [i - 1 for i in cfg["aux_hidden_state_layer_ids"]]  # HF hidden_states indices -> ours
+    if not set(layer_ids) <= set(m.layer_ids):
+        raise ValueError(f"{checkpoint}: it reads target layers {layer_ids}, {store} taps {list(m.layer_ids)}")
+    if "sliding_attention" in (cfg["transformer_layer_config"].get("layer_types") or []):  # ours see it all
+        raise ValueError(f"{checkpoint}: some of its layers attend to a sliding window, ours to the whole context: "
+                         "train it with --full-attention-indices naming every layer")
+    state = {"drafter": dc.to_dict(), "layer_ids": layer_ids, "num_target_layers": m.target.num_layers,
+             "mask_token": m.mask_token if dc.mask_token_id == m.mask_token_id else "", "target": m.target.name,
+             "target_sha256": m.target.sha256,
+             "target_config": {"max_position_embeddings": m.target.config.get("max_position_embeddings")}}
+    if whole_head:
+        state, ours = as_whole_head(state, ours)
+    return write_export(Path(out), state, ours)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="do", required=True)
+    r = sub.add_parser("rows", help="a store's samples as rows for speculators prepare-data")
+    r.add_argument("--store", required=True, help="a store extracted with --last-hidden")
+    r.add_argument("--out", required=True, help="directory for rows.jsonl")
+    r.add_argument("--limit", type=int, default=0, help="the first N samples only (0 = all)")
+    d = sub.add_parser("hidden", help="the hidden-state files of prepare-data's rows, from the store")
+    d.add_argument("--store", required=True, help="the store the rows came from")
+    d.add_argument("--data", required=True, help="prepare-data's output directory (hidden_states/ goes there)")
+    c = sub.add_parser("convert", help="a speculators dflash or dspark checkpoint as our export")
+    c.add_argument("--checkpoint", required=True, help="its checkpoint directory (config.json, model.safetensors)")
+    c.add_argument("--store", required=True, help="the store it was trained from (the target's identity)")
+    c.add_argument("--out", required=True, help="the export directory to write")
+    c.add_argument("--draft-head", action="store_true",
+                   help="draft from its draft vocabulary only (as trained); default: the target's whole lm_head")
+    a = ap.parse_args()
+    try:
+        if a.do == "rows":
+            print(json.dumps(write_peer_rows(a.store, a.out, limit=a.limit)))
+        elif a.do == "hidden":
+            print(json.dumps(write_peer_hidden(a.store, a.data, prepared_order(a.data))))
+        else:
+            print(convert_checkpoint(a.checkpoint, a.store, a.out, whole_head=not a.draft_head))
+    except (CacheFormatError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
