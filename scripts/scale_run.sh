@@ -14,6 +14,8 @@
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
 #   bash scripts/scale_run.sh eval      # the served export (bf16) against the float32 target, 48 held-out prompts
 #   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
+#   bash scripts/scale_run.sh peers     # speculators' drafter on a subset, decoded as ours (PEER_* settings);
+#                                       # ours on the same store: STORE=$W/peers/s.zarr RUN=... `train` and `eval`
 # The export that `pack` brings back is evaluated anywhere (as served: bf16 weights through AutoModel):
 #   mkdir E && cat export.safetensors.part-* > E/model.safetensors && cp export_config.json E/config.json
 #   cp train/modeling_dflash.py train/decoding_state.py train/draft_tree.py train/markov_head.py E/ && python -m train.eval --export E --target GGUF --limit 48 --max-new-tokens 96
@@ -35,7 +37,7 @@
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail
 stage=$1
-W=${W:-/root/w}; STORE=${STORE:-/dev/shm/scale.zarr}; RUN=$W/run
+W=${W:-/root/w}; STORE=${STORE:-/dev/shm/scale.zarr}; RUN=${RUN:-$W/run}
 DATA=${DATA:-docs/results/recipe-default-100k/train.jsonl.gz}
 NG=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
 GPU=$(python3 -c 'import torch; print(int(torch.cuda.is_available()))')
@@ -125,6 +127,39 @@ valstore)  # answers of 256 tokens (val_decode_tau_96 reads the evaluation's 96-
     --batch-size 512 "${TARGET[@]}" 2>&1 | grep -v "it/s\]" | tail -n 2
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "${VSTORE:-/dev/shm/val.zarr}" \
     --data "$W/val.jsonl" "${TARGET[@]}" ${EXTRACT_ARGS:-} --json 2>&1 | grep -v "tok/s]" | tail -n 3;;
+peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_bench.py); each step is skipped
+  # when its output is there, so the stage spans calls. PEER_FRACTION of the 100K file (default 0.25: its
+  # bf16 hidden-state files, ~6.9 KB a token, fit the disk), PEER_KIND (dspark or dflash), PEER_STEPS (its
+  # cosine, default 2000), PEER_TLIM (seconds each trains, default 400); its wheels on PYTHONPATH
+  # (scripts/peer_wheels.sh). Ours trains from the same store with the preset, for the same seconds.
+  P=$W/peers; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
+  spec=(python3 -c 'import sys; from speculators.__main__ import app; sys.argv[0] = "speculators"; app()')
+  if [ ! -f "$P/s.zarr/zarr.json" ]; then
+    gunzip -c "$DATA" | awk -v f="${PEER_FRACTION:-0.25}" '(NR - 1) % 100 < f * 100' > "$P/train.jsonl"
+    python3 -m extract --config configs/smollm2-h200/extract.toml --store "$P/s.zarr" --data "$P/train.jsonl" \
+      --last-hidden "${TARGET[@]}" --json 2>&1 | grep -v "tok/s]" | tail -n 3 || exit 1
+  fi
+  [ -d "$P/hf" ] || python3 -c 'import sys; from target.loader import save_hf_dir, packaged_gguf
+save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" || exit 1
+  [ -s "$P/d/rows.jsonl" ] || python3 -m bench peers rows --store "$P/s.zarr" --out "$P/d" || exit 1
+  [ -f "$P/d/dataset_info.json" ] || "${spec[@]}" prepare-data --model "$P/hf" --data "$P/d/rows.jsonl" --output "$P/d" \
+    --minimum-valid-tokens 0 --seq-length 1024 2>&1 | tail -n 2
+  [ -d "$P/d/hidden_states" ] || python3 -m bench peers hidden --store "$P/s.zarr" --data "$P/d" || exit 1
+  du -sh "$P/s.zarr" "$P/d/hidden_states"
+  if [ ! -d "$P/ck" ]; then  # its preset's flags where ours differ: block 8, 5 layers, our taps, mask, lr, full attention
+    s=$(date +%s)
+    timeout $(( ${PEER_TLIM:-400} + 120 )) "${spec[@]}" train --speculator-type "$kind" --verifier-name-or-path "$P/hf" --data-path "$P/d" --num-layers 5 \
+      --block-size 8 --target-layer-ids 2 9 15 21 28 --mask-token-id 16 --full-attention-indices 0 1 2 3 4 \
+      --no-sample-from-anchor --lr 1.2e-3 --scheduler-type cosine --max-steps "${PEER_STEPS:-2000}" \
+      --total-seq-len 16384 --checkpoint-freq 0.5 --save-path "$P/ck" --epochs 20 > "$P/peer_train.log" 2>&1
+    echo "speculators train exit $? after $(( $(date +%s) - s )) s"; tail -n 5 "$P/peer_train.log"
+  fi
+  ck=$(find "$P/ck" -name model.safetensors -printf '%T@ %h\n' | sort -n | tail -n 1 | cut -d' ' -f2)
+  python3 -m bench peers convert --checkpoint "$ck" --store "$P/s.zarr" --out "$P/e" > /dev/null || exit 1
+  python3 -m train.eval --export "$P/e" --limit 48 --max-new-tokens 96 --no-prompt-lookup --tree-budget 0,512 \
+    --json "${TARGET[@]}" 2>&1 | tail -n 1 | cut -c1-1500
+  cp "$P/e/eval.json" "${OUT:-/tmp/out}/peer_eval.json" 2>/dev/null
+  cp "$P/peer_train.log" "${OUT:-/tmp/out}/" 2>/dev/null;;
 pack) pack;;
-*) echo "stage must be formats, extract, valstore, train, eval or pack" >&2; exit 2;;
+*) echo "stage must be formats, extract, valstore, train, eval, peers or pack" >&2; exit 2;;
 esac
