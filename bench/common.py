@@ -7,7 +7,8 @@ import torch
 from cache_format import DatasetInfo, Manifest, TargetInfo
 from cache_format.schema import default_rows_per_shard
 
-__all__ = ["CORPUS", "SHAPES", "random_target", "synthetic_manifest", "tiny_tokenizer"]
+__all__ = ["CORPUS", "GREEK", "SHAPES", "random_target", "synthetic_manifest", "tiny_target_dir", "tiny_tokenizer",
+           "write_chats"]
 
 # Qwen3Config fields of the shapes the goals are stated at (random weights: no download)
 SHAPES = {
@@ -119,3 +120,48 @@ def new_bucket(endpoint: str) -> str:
     urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{name}", method="PUT"), timeout=10)
     return name
 
+
+def tiny_target_dir(path, arch: str = "llama", num_layers: int = 6, hidden: int = 32, seed: int = 0) -> str:
+    """Save a random-weight causal LM + tokenizer as an HF directory (no download)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    tok = tiny_tokenizer()
+    common = dict(vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  initializer_range=0.2)  # a frozen lm_head of std 0.02 could barely move the logits
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(head_dim=hidden // 4, **common)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+GREEK = "alpha beta gamma delta epsilon zeta eta theta".split()
+
+
+def write_chats(path, n: int, seed: int = 0, turns: int = 1, cyclic: bool = False) -> str:
+    """Random conversations; with `cyclic` the answers cycle through GREEK (learnable by a drafter)."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = " ".join(CORPUS).split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            msgs = []
+            for _ in range(turns):
+                msgs.append({"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))})
+                if cyclic:
+                    start = rng.randrange(len(GREEK))
+                    answer = [GREEK[(start + i) % len(GREEK)] for i in range(rng.randint(10, 40))]
+                else:
+                    answer = rng.choices(words, k=rng.randint(10, 60))
+                msgs.append({"role": "assistant", "content": " ".join(answer)})
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return str(path)

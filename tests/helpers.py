@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import CORPUS, tiny_tokenizer  # one home: the benches build the same tiny targets
+from bench.common import tiny_target_dir, tiny_tokenizer, write_chats  # noqa: F401 - one home: the benches build the same tiny targets and data
 from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, TargetInfo, create_store, finalize_store
 from extract.config import ExtractConfig
 
@@ -54,53 +54,6 @@ def assert_sample_equal(got, ref: dict[str, torch.Tensor]) -> None:
     assert torch.equal(got.hidden, ref["hidden"].bfloat16())
     if "last_hidden" in ref:
         assert torch.equal(got.last_hidden, ref["last_hidden"].bfloat16())
-
-
-# --------------------------------------------------------------------------- tiny targets
-def tiny_target_dir(path, arch: str = "llama", num_layers: int = 6, hidden: int = 32, seed: int = 0) -> str:
-    """Save a random-weight causal LM + tokenizer as an HF directory (no download)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    tok = tiny_tokenizer()
-    common = dict(vocab_size=320, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                  initializer_range=0.2)  # a frozen lm_head of std 0.02 could barely move the logits
-    if arch == "qwen3":
-        cfg = transformers.Qwen3Config(head_dim=hidden // 4, **common)
-        model = transformers.Qwen3ForCausalLM(cfg)
-    else:
-        cfg = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(cfg)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
-GREEK = "alpha beta gamma delta epsilon zeta eta theta".split()
-
-
-def write_chats(path, n: int, seed: int = 0, turns: int = 1, cyclic: bool = False) -> str:
-    """Random conversations; with `cyclic` the answers cycle through GREEK (learnable by a drafter)."""
-    import json
-    import random
-
-    rng = random.Random(seed)
-    words = " ".join(CORPUS).split()
-    with open(path, "w") as f:
-        for _ in range(n):
-            msgs = []
-            for _ in range(turns):
-                msgs.append({"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 12)))})
-                if cyclic:
-                    start = rng.randrange(len(GREEK))
-                    answer = [GREEK[(start + i) % len(GREEK)] for i in range(rng.randint(10, 40))]
-                else:
-                    answer = rng.choices(words, k=rng.randint(10, 60))
-                msgs.append({"role": "assistant", "content": " ".join(answer)})
-            f.write(json.dumps({"messages": msgs}) + "\n")
-    return str(path)
 
 
 def extract_cfg(store, target, data, **kw):
