@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["World"]
+__all__ = ["World", "any_rank"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +45,11 @@ class World:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def any_rank(flag: bool, device: torch.device, world: int) -> bool:
+    """Whether `flag` holds on any rank (every rank calls this at the same step, so all stop alike)."""
+    t = torch.tensor([float(flag)], device=device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

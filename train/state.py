@@ -6,9 +6,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["TrainState", "any_rank", "any_rank_past"]
+from runtime.world import any_rank
+
+__all__ = ["TrainState", "any_rank_past"]
 
 STOPS = ("", "steps", "time limit", "patience", "signal")
 
@@ -34,14 +35,6 @@ class TrainState:
         if reason not in STOPS[1:]:
             raise ValueError(f"unknown stop reason {reason!r}")
         self.stop = self.stop or reason  # the first reason is the one reported
-
-
-def any_rank(flag: bool, device: torch.device, world: int) -> bool:
-    """Whether `flag` holds on any rank (every rank calls this at the same step, so all stop alike)."""
-    t = torch.tensor([float(flag)], device=device)
-    if world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def any_rank_past(deadline: float, device: torch.device, world: int) -> bool:

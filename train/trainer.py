@@ -21,7 +21,7 @@ from tqdm import tqdm
 from cache_format.lock import WriterLock
 from runtime.cli import to_toml
 from runtime.preemption import Preemption
-from runtime.world import World
+from runtime.world import World, any_rank
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint, set_aside_after
 from train.config import TrainConfig
 from train.data import BatchDataset, CollateSettings, holdout_mask, node_shares, plan_epoch, replay_dataset, to_device
@@ -44,7 +44,7 @@ from train.start import (
     run_record,
     start_from_weights,
 )
-from train.state import TrainState, any_rank, any_rank_past
+from train.state import TrainState, any_rank_past
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
