@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,7 +45,7 @@ from extract.rendering import BadRecord, Rendered, read_conversations, render_ma
 from extract.ring import HostRing
 from extract.writer_process import ProcessWriter
 from runtime.preemption import Preemption
-from runtime.world import World
+from runtime.world import World, any_rank
 from target.loader import frozen_parts, load_target, mask_token_of, packaged_gguf, target_sha256
 
 __all__ = ["run"]
@@ -225,6 +226,14 @@ def _check_data_file(path: str) -> None:
 
 def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: float, on_ready=None,
                 preemptible: bool = False) -> dict:
+    # a signal from here on stops the run at its next boundary with what it has committed (none while the
+    # target loads or the data renders); one during finalizing lets it finish: the store is then whole
+    with Preemption(enabled=preemptible) as preempt:
+        return _extract(cfg, world, device, t0, on_ready, preempt)
+
+
+def _extract(cfg: ExtractConfig, world: World, device: torch.device, t0: float, on_ready,
+             preempt: Preemption) -> dict:
     if cfg.data:
         _check_data_file(cfg.data)
     # ------------------------------------------------------------------ target and data
@@ -240,6 +249,8 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     if not samples:
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none rendered"
         raise ValueError(f"{data}: no usable samples ({why})")
+    if any_rank(preempt.requested(), device, world.world_size):  # nothing written yet
+        return {"stopped_by_signal": preempt.signum or signal.SIGTERM, "store": cfg.store, "already_committed": 0}
     by_id = {r.sample_id: r for r in samples}
 
     # ------------------------------------------------------------------ the store
@@ -251,9 +262,8 @@ def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: floa
     committed = set(follower.index.sample_ids.tolist())
     todo = [r.sample_id for r in samples if r.sample_id not in committed]
     mine = partition(todo, [len(by_id[s].input_ids) for s in todo], world.world_size, world.rank)
-    with Preemption(enabled=preemptible) as preempt:
-        nonfinite, elapsed = _forward_all(cfg, world, device, target, layer_ids, [by_id[s] for s in mine],
-                                          stop=preempt.requested)
+    nonfinite, elapsed = _forward_all(cfg, world, device, target, layer_ids, [by_id[s] for s in mine],
+                                      stop=preempt.requested)
     if preempt.requested():  # the batches handed to the writers are committed; a rerun goes on
         return {"stopped_by_signal": preempt.signum, "store": cfg.store, "already_committed": len(committed)}
 
