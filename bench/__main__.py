@@ -34,6 +34,7 @@ SUITES = {
     "tree-step": ("bench.tree_step_bench", "where a draft-tree decoding step's time goes, by node budget (GPU)"),
     "confidence": ("bench.confidence_bench", "rejected drafts by the target's own top-1 probability there, per domain"),
     "peers": ("bench.peers_bench", "speculators' drafters on our samples: its input files, its checkpoints as our exports"),
+    "preempt": ("bench.preempt_bench", "SIGTERM/SIGINT at random moments of train, extract and regenerate, then a rerun (CPU)"),
     "real-target": ("scripts/scale_run.sh", "the packaged target end to end: extract, train, eval (GPU machine)"),
 }
 

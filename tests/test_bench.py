@@ -112,3 +112,12 @@ def test_confidence_suite_scores_an_evaluation_and_skips_what_does_not_line_up(t
     bad.write_text("{}")
     p = _bench("confidence", "--eval", str(bad), "--target", target)
     assert p.returncode != 0 and f"{bad}: not a train.eval --json result" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_preempt_suite_signals_a_stage_and_checks_its_rerun(tmp_path):
+    p = _bench("preempt", "--runs", "1", "--stages", "regen", "--seed", "3", "--json", str(tmp_path / "p.json"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (res,) = json.loads((tmp_path / "p.json").read_text())["stages"]
+    assert res["stage"] == "regen" and res["runs"] == 1 and res["failures"] == [] and res["failed"] == 0
+    assert res["handled"] + res["before handler"] + res["finished"] == 1
+    assert _bench("preempt", "--stages", "nope").returncode != 0
