@@ -48,7 +48,9 @@ class Preemption:
         # off the main thread Python sends no signals
         if self.enabled and threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
-                self._old[s] = signal.signal(s, self._note)
+                # a signal the launcher ignores stays ignored (a shell's background jobs ignore SIGINT)
+                if signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._note)
         return self
 
     def __exit__(self, *exc) -> None:
