@@ -145,6 +145,8 @@ def main() -> None:
     stages = [s for s in a.stages.split(",") if s]
     if a.runs < 1 or not stages or not set(stages) <= {"train", "extract", "regen"}:
         raise SystemExit("error: --runs must be at least 1 and --stages a list of train, extract, regen")
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # launched in the background: the children would
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # inherit that; a scheduler's job does not
     rng = random.Random(a.seed)
     with tempfile.TemporaryDirectory(prefix="preempt-") as tmp:
         work = Path(tmp)
