@@ -20,10 +20,12 @@ import click
 
 from extract.config import ExtractConfig
 from runtime.cli import config_command
+from runtime.preemption import from_the_start
 
 
 @config_command(ExtractConfig, extra=(click.Option(["--json", "as_json"], is_flag=True,
                                                  help="Print the closing summary as JSON."),))
+@from_the_start
 def main(cfg: ExtractConfig, as_json: bool) -> None:
     """Extract target hidden states into a draftcache store (resumable)."""
     from cache_format import CacheFormatError

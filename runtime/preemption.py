@@ -4,19 +4,25 @@ stages; schedulers preempt with SIGTERM."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
 import threading
 import time
 
-__all__ = ["Preemption"]
+__all__ = ["Preemption", "from_the_start"]
+
+# how long a signalled DataLoader worker waits for its main process to note the same signal
+WORKER_GRACE_S = 3.0
 
 
 class Preemption:
     """SIGTERM and SIGINT noted instead of killing the process, while the context is open: the loop
     stops at its next log step and saves a checkpoint (schedulers preempt with SIGTERM). A second
-    signal of either kind ends the process at once, as the default would.
+    signal of either kind ends the process at once, as the default would. Contexts nest: one opened
+    inside another takes over a signal the outer one noted (a stage's command opens one before its
+    imports, its run another around the work).
 
     `stopping` is shared with the DataLoader workers forked meanwhile (their `worker_init`): a worker
     signalled with the process group stays alive while the main process is stopping at a step
@@ -32,6 +38,7 @@ class Preemption:
         self.signum: int | None = None
         self.stopping = multiprocessing.Value("b", 0, lock=False)
         self._old: dict[int, object] = {}
+        self._outer: Preemption | None = None
 
     def _note(self, signum: int, _frame) -> None:
         if self.signum is not None:  # asked twice: go now
@@ -48,13 +55,20 @@ class Preemption:
         # off the main thread Python sends no signals
         if self.enabled and threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
+                old = signal.getsignal(s)
+                outer = getattr(old, "__self__", None)
+                if isinstance(outer, Preemption):  # one `stopping` for both: a worker forked now follows the
+                    self._outer, self.stopping = outer, outer.stopping  # outer one once this one is closed
+                    if outer.signum is not None:  # noted while the stage started (its imports): stop at once
+                        self.signum, self.stopping.value = outer.signum, 1
                 # a signal the launcher ignores stays ignored (a shell's background jobs ignore SIGINT)
-                if signal.getsignal(s) is not signal.SIG_IGN:
+                if old is not signal.SIG_IGN:
                     self._old[s] = signal.signal(s, self._note)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stopping.value = 0  # workers still alive at exit may now be ended by a signal
+        # workers still alive may now be ended by a signal, unless an outer context notes it instead
+        self.stopping.value = int(self._outer is not None and self._outer.signum is not None)
         for s, old in self._old.items():
             signal.signal(s, old)
 
@@ -64,7 +78,24 @@ class Preemption:
             signal.signal(s, self._worker_signal)
 
     def _worker_signal(self, signum: int, _frame) -> None:
-        time.sleep(0.2)  # the main process, signalled with the group, marks `stopping` first
+        # the main process, signalled with the group, marks `stopping` when its main thread next runs
+        # Python, which on a loaded machine may be seconds away: wait for it, then die if it never came
+        deadline = time.monotonic() + WORKER_GRACE_S
+        while not self.stopping.value and time.monotonic() < deadline:
+            time.sleep(0.01)
         if not self.stopping.value:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
+
+def from_the_start(fn):
+    """A stage's command run inside a Preemption: a signal that comes while it imports and starts is
+    noted, not a KeyboardInterrupt or a kill, and the run's own Preemption takes it over (the run
+    stops at its first boundary and exits with the signal's code)."""
+
+    @functools.wraps(fn)
+    def noted(*args, **kwargs):
+        with Preemption():
+            return fn(*args, **kwargs)
+
+    return noted

@@ -16,10 +16,12 @@ import sys
 import click
 
 from runtime.cli import config_command
+from runtime.preemption import from_the_start
 from train.config import TrainConfig
 
 
 @config_command(TrainConfig)
+@from_the_start
 def main(cfg: TrainConfig) -> None:
     """Train a DFlash drafter from a store (DDP under torchrun; resumable)."""
     from cache_format import CacheFormatError

@@ -11,6 +11,7 @@ import click
 from extract.regenerate.answers import regenerate
 from extract.regenerate.config import RegenConfig
 from runtime.cli import config_command
+from runtime.preemption import from_the_start
 
 
 @config_command(RegenConfig, seps={"shard": "/"}, extra=(
@@ -20,6 +21,7 @@ from runtime.cli import config_command
                  help="--recipe: the new-token cap of the long share (a tenth of the invented math and code "
                       "prompts); 0 = no long answers."),
 ))
+@from_the_start
 def main(cfg: RegenConfig, recipe: str, recipe_samples: int, recipe_long_tokens: int) -> None:
     """Generate target responses for prompts into a training JSONL."""
     try:

@@ -28,3 +28,25 @@ def test_an_ignored_signal_stays_ignored():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_a_context_opened_inside_takes_over_a_signal_the_outer_one_noted():
+    with Preemption() as outer:
+        os.kill(os.getpid(), signal.SIGTERM)  # while the stage imports
+        with Preemption() as inner:  # the run's own
+            assert inner.requested() and inner.signum == signal.SIGTERM
+        assert outer.requested()
+    with Preemption(), Preemption() as quiet:
+        assert not quiet.requested()
+
+
+def test_workers_follow_the_outer_context_once_the_inner_one_is_closed():
+    with Preemption() as outer:
+        with Preemption() as inner:
+            assert inner.stopping is outer.stopping and not inner.stopping.value
+        os.kill(os.getpid(), signal.SIGINT)  # after the run: the command is closing, its workers must not die
+        assert outer.requested() and inner.stopping.value == 1
+    with Preemption() as alone:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert alone.stopping.value == 1
+    assert alone.stopping.value == 0  # closed with no outer one: a later signal ends the workers as usual
