@@ -8,7 +8,6 @@ import sys
 
 import click
 
-from extract.regenerate.answers import regenerate
 from extract.regenerate.config import RegenConfig
 from runtime.cli import config_command
 from runtime.preemption import from_the_start
@@ -24,6 +23,8 @@ from runtime.preemption import from_the_start
 @from_the_start
 def main(cfg: RegenConfig, recipe: str, recipe_samples: int, recipe_long_tokens: int) -> None:
     """Generate target responses for prompts into a training JSONL."""
+    from extract.regenerate.answers import regenerate  # here: torch loads with the signals noted
+
     try:
         if recipe:
             from extract.regenerate.recipe import build_recipe
