@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from cache_format import StoreReader
+from bench.common import checked_store
 from cache_format.codec import bf16_to_bits, dequantize, quantize
 
 BLOCK = 1 << 20
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--store", required=True, help="a bfloat16 store (the states to measure)")
     ap.add_argument("--samples", type=int, default=0, help="read only this many samples (0 = all)")
     a = ap.parse_args()
-    r = StoreReader(a.store)
+    r = checked_store(a.store)
     m = r.manifest
     if m.dtype != "bfloat16":
         raise SystemExit(f"error: {a.store}: a bfloat16 store is needed (this one is {m.dtype})")

@@ -7,8 +7,8 @@ import torch
 from cache_format import DatasetInfo, Manifest, TargetInfo
 from cache_format.schema import default_rows_per_shard
 
-__all__ = ["CORPUS", "GREEK", "SHAPES", "random_target", "synthetic_manifest", "tiny_target_dir", "tiny_tokenizer",
-           "write_chats"]
+__all__ = ["CORPUS", "GREEK", "SHAPES", "checked_export", "checked_store", "random_target", "synthetic_manifest",
+           "tiny_target_dir", "tiny_tokenizer", "write_chats"]
 
 # Qwen3Config fields of the shapes the goals are stated at (random weights: no download)
 SHAPES = {
@@ -165,3 +165,40 @@ def write_chats(path, n: int, seed: int = 0, turns: int = 1, cyclic: bool = Fals
                 msgs.append({"role": "assistant", "content": " ".join(answer)})
             f.write(json.dumps({"messages": msgs}) + "\n")
     return str(path)
+
+
+def checked_store(path: str):
+    """A StoreReader of a store a suite is given, its shards checked on first read as training checks
+    them: a damaged store ends the suite in one line naming the file, never with a figure from it."""
+    from cache_format import CacheFormatError, StoreReader
+
+    try:
+        return _Checked(StoreReader(path, verify_shards=True))
+    except CacheFormatError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+class _Checked:
+    """A reader whose reads end the suite in one line on a damaged shard."""
+
+    def __init__(self, reader) -> None:
+        self.reader, self.manifest, self.sample_ids = reader, reader.manifest, reader.sample_ids
+
+    def get_batch(self, ids):
+        from cache_format import CacheFormatError
+
+        try:
+            return self.reader.get_batch(ids)
+        except CacheFormatError as e:
+            raise SystemExit(f"error: {e}") from None
+
+
+def checked_export(path: str) -> None:
+    """What train.eval and train.replay_score check of an export a suite is given (config, weights,
+    every tensor its config claims), or the suite ends in one line naming it."""
+    from train.export import read_export
+
+    try:
+        read_export(path)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None

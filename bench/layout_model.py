@@ -23,9 +23,9 @@ import json
 
 def positions_per_token(store: str, num_anchors: int, block_size: int) -> float:
     """q = sum over samples of (anchors drawn x block size) / total tokens, from the loss masks."""
-    from cache_format import StoreReader
+    from bench.common import checked_store
 
-    r = StoreReader(store)
+    r = checked_store(store)
     draft = tokens = 0
     for s in r.get_batch(r.sample_ids):
         m = s.loss_mask.bool()

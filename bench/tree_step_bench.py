@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import checked_export
+
 PHASES = ("mask", "verify", "step", "sync", "compact")
 
 
@@ -97,6 +99,7 @@ def main() -> None:
         raise SystemExit("error: --budgets must be integers >= 0, --limit and --max-new-tokens >= 1")
     if not (Path(a.export) / "modeling_dflash.py").is_file():
         raise SystemExit(f"error: {a.export}: not a draftcache export (no modeling_dflash.py)")
+    checked_export(a.export)
     rows = run(a.export, a.target, budgets, a.limit, a.max_new_tokens)
     print(f"{'budget':>6} {'tau':>6} {'served ms':>9} {'timed ms':>8}  " + "  ".join(f"{p:>7}" for p in PHASES)
           + "  tree build")

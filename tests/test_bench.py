@@ -121,3 +121,40 @@ def test_preempt_suite_signals_a_stage_and_checks_its_rerun(tmp_path):
     assert res["stage"] == "regen" and res["runs"] == 1 and res["failures"] == [] and res["failed"] == 0
     assert res["handled"] + res["before handler"] + res["finished"] == 1
     assert _bench("preempt", "--stages", "nope").returncode != 0
+
+
+def test_suites_given_a_damaged_store_or_export_end_in_one_line(tmp_path):
+    """The store and export checks of training and train.eval, in every suite that reads one it is given."""
+    import shutil
+
+    from extract.config import ExtractConfig
+    from extract.run import run as extract
+    from tests.helpers import tiny_target_dir, train_cfg, write_chats
+    from train.export import export_run
+    from train.trainer import train
+
+    store = tmp_path / "s.zarr"
+    extract(ExtractConfig(store=str(store), target=tiny_target_dir(tmp_path / "t", "llama"),
+                          data=write_chats(tmp_path / "c.jsonl", 12, cyclic=True), layers=(0, 2), max_len=256,
+                          min_supervised=4, token_budget=1024))
+    train(train_cfg(str(store), tmp_path / "run", max_steps=2))
+    export = export_run(str(tmp_path / "run"), str(tmp_path / "e"))
+    cfg = json.loads((export / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1  # a layer its weights lack
+    cfg["layer_types"].append("full_attention")
+    (export / "config.json").write_text(json.dumps(cfg))
+    bad = tmp_path / "bad.zarr"
+    shutil.copytree(store, bad)
+    shard = next(p for p in sorted(bad.glob("w*/b*/hidden/c/*/*")) if p.stat().st_size > 64)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    runs = {"codec": _bench("codec", "--store", str(bad)),
+            "layout-model": _bench("layout-model", "--store", str(bad)),
+            "tree-step": _bench("tree-step", "--export", str(export))}
+    for name, p in runs.items():
+        errors = [x for x in p.stderr.splitlines() if x.strip()]
+        assert p.returncode != 0 and len(errors) == 1 and errors[0].startswith("error: "), (name, p.stderr[-1500:])
+        assert "Traceback" not in p.stderr and p.stdout.strip() == "", name
+    assert "hidden" in runs["codec"].stderr and "hidden" in runs["layout-model"].stderr  # the damaged array
+    assert str(export) in runs["tree-step"].stderr and "layers.1." in runs["tree-step"].stderr

@@ -38,7 +38,7 @@ from train.acceptance import decode_chain, teacher_forced_accepts, vocab_rejecti
 from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.eval_config import EvalConfig
 from train.eval_report import Tally, plot, summary, tau_so_far
-from train.export import as_whole_head, hf_drafter
+from train.export import as_whole_head, hf_drafter, read_export
 from train.spec_decode import target_generate
 
 __all__ = ["evaluate"]
@@ -86,6 +86,7 @@ def _drafters(run: str, checkpoint: str, export: str, whole_head: bool = True) -
     if export:
         if not (Path(export) / "modeling_dflash.py").is_file():
             raise ValueError(f"{export}: not a draftcache export (no modeling_dflash.py)")
+        read_export(export)  # the export check every entry point makes
         # exactly as a user loads it: the export's own modeling file, its bf16 weights; checked against
         # its config first (a layer the weights lack would decode from its random init, "lossless")
         try:

@@ -194,14 +194,25 @@ def load_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list
 
 
 def read_export(path: str) -> tuple[DrafterConfig, dict[str, torch.Tensor], list[int]]:
-    """load_export, where a directory that is not a readable export is one ValueError naming it."""
+    """load_export, where a directory that is not a readable export, or one whose weights are not
+    exactly the tensors its config describes, is one ValueError naming it: the check every entry
+    point that reads an export makes (train.eval before it loads the export as served)."""
     if not (Path(path) / "config.json").is_file() or not (Path(path) / "model.safetensors").is_file():
         raise ValueError(f"{path}: not an exported drafter (config.json and model.safetensors)")
     try:
-        return load_export(path)
+        got = load_export(path)
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        with torch.device("meta"):  # the served model's tensors, by name and shape, with no memory
+            want = {k: tuple(v.shape) for k, v in DFlashDraftModel(Qwen3Config(**cfg)).state_dict().items()}
     except Exception as e:  # noqa: BLE001 - json, safetensors and the config raise their own types
         raise ValueError(f"{path}: unreadable export ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
+    held = {k: tuple(v.shape) for k, v in to_export_names(got[1]).items()}
+    wrong = sorted({*want, *held} - {k for k in want if held.get(k) == want[k]})
+    if wrong:  # a tensor the config claims and the weights lack would serve from its random init
+        raise ValueError(f"{path}: model.safetensors does not hold what config.json describes ({len(wrong)} tensors "
+                         f"missing, unknown or of another shape, e.g. {wrong[0]})")
+    return got
 
 
 def start_weights(path: str, dc: DrafterConfig, layer_ids: list[int]) -> dict[str, torch.Tensor]:
