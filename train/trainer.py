@@ -64,8 +64,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, preempt: Preemption | None = None) -> None:
-        self.cfg, self.t_start = cfg, time.time()
-        self.closing_s = 0.0  # what a held-out pass and a checkpoint take, kept free before --time-limit
+        self.cfg, self.t_start, self.closing_s = cfg, time.time(), 0.0  # closing_s: kept free before --time-limit
         self.preempt = preempt or Preemption()  # one not entered never notes a signal
         world = World.from_env()
         self.rank, self.world, self.local_world = world.rank, world.world_size, world.local_world_size
