@@ -6,9 +6,9 @@ job), at a uniformly random moment of an uninterrupted run's length; then the sa
     python -m bench preempt --runs 20 --stages train,extract,regen --seed 0
 
 Per run it records how the signalled process ended: the signal's own code 128 + N after saving or
-committing what it had (`handled`), killed by the signal before its handler was installed, while
-still importing (`before handler`: nothing written yet), or done before the signal came
-(`finished`). Any other end, a rerun that fails, or a result unlike the uninterrupted one is a
+committing what it had (`handled`), killed by the signal while the interpreter starts or shuts
+down, outside the stage's command (`outside the command`: nothing written yet, or all of it), or done
+before the signal came (`finished`). Any other end, a rerun that fails, or a result unlike the uninterrupted one is a
 failure: train must log every step once with the same losses, extract must hold the same samples
 (bitwise ids and tokens, hidden states within bf16 rounding), regeneration the same answers.
 Tiny random-weight targets on the CPU; the figures: docs/BENCHMARKS.md.
@@ -91,7 +91,7 @@ def one_run(stage: str, work: Path, out: Path, delay: float, sig: int, reference
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, sig)  # the whole group, as a scheduler: DataLoader workers and writers too
     text, _ = p.communicate(timeout=300)
-    end = {0: "finished", 128 + sig: "handled", -sig: "before handler"}.get(p.returncode)
+    end = {0: "finished", 128 + sig: "handled", -sig: "outside the command"}.get(p.returncode)
     if end is None:
         return "failed", f"exit {p.returncode} after {signal.Signals(sig).name}: {text.strip()[-300:]}"
     r = run(again)
@@ -121,7 +121,7 @@ def stage_runs(stage: str, work: Path, runs: int, rng: random.Random) -> dict:
         raise SystemExit(f"error: the uninterrupted {stage} run failed: {text.strip()[-500:]}")
     seconds = time.time() - t0
     reference = result(stage, ref_out)
-    ends, failures = {"handled": 0, "before handler": 0, "finished": 0, "failed": 0}, []
+    ends, failures = {"handled": 0, "outside the command": 0, "finished": 0, "failed": 0}, []
     for i in range(runs):
         out = work / f"{stage}-{i}"
         delay, sig = rng.uniform(0, seconds), rng.choice([signal.SIGTERM, signal.SIGINT])

@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from cache_format.schema import DTYPES
 from extract.regenerate.config import parse_template_kwargs
 from runtime.numbers import check_numbers
 
@@ -99,6 +98,10 @@ class ExtractConfig:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.min_supervised < 2:
             raise ValueError(f"min_supervised must be >= 2, got {self.min_supervised}")
+        # here, not at the top: the store package loads torch, and the command reads this file before
+        # it notes signals (a Ctrl-C inside torch's import aborts the interpreter)
+        from cache_format.schema import DTYPES
+
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.compression not in ("none", "blosc-zstd1"):

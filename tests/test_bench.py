@@ -119,7 +119,7 @@ def test_preempt_suite_signals_a_stage_and_checks_its_rerun(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     (res,) = json.loads((tmp_path / "p.json").read_text())["stages"]
     assert res["stage"] == "regen" and res["runs"] == 1 and res["failures"] == [] and res["failed"] == 0
-    assert res["handled"] + res["before handler"] + res["finished"] == 1
+    assert res["handled"] + res["outside the command"] + res["finished"] == 1
     assert _bench("preempt", "--stages", "nope").returncode != 0
 
 
