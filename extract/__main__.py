@@ -71,4 +71,4 @@ def _named(cfg: ExtractConfig, e: Exception) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from_the_start(main)()  # signals noted while click parses the options, too

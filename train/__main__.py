@@ -53,4 +53,4 @@ def _one_line(e: Exception) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from_the_start(main)()  # signals noted while click parses the options, too

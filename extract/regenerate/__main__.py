@@ -47,4 +47,4 @@ def main(cfg: RegenConfig, recipe: str, recipe_samples: int, recipe_long_tokens:
 
 
 if __name__ == "__main__":
-    main()
+    from_the_start(main)()  # signals noted while click parses the options, too
