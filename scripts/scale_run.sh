@@ -143,14 +143,14 @@ peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_ben
 save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" || exit 1
   [ -s "$P/d/rows.jsonl" ] || python3 -m bench peers rows --store "$P/s.zarr" --out "$P/d" || exit 1
   [ -f "$P/d/dataset_info.json" ] || "${spec[@]}" prepare-data --model "$P/hf" --data "$P/d/rows.jsonl" --output "$P/d" \
-    --minimum-valid-tokens 0 --seq-length 1024 2>&1 | tail -n 2
+    --minimum-valid-tokens 0 --seq-length 1024 --no-skip-token-freq 2>&1 | tail -n 2
   [ -d "$P/d/hidden_states" ] || python3 -m bench peers hidden --store "$P/s.zarr" --data "$P/d" || exit 1
   du -sh "$P/s.zarr" "$P/d/hidden_states"
-  if [ ! -d "$P/ck" ]; then  # its preset's flags where ours differ: block 8, 5 layers, our taps, mask, lr, full attention
+  if [ ! -d "$P/ck" ]; then  # ours where its defaults differ: block 8, 5 layers, taps, mask, draft vocabulary, lr, full attention
     s=$(date +%s)
     timeout $(( ${PEER_TLIM:-400} + 120 )) "${spec[@]}" train --speculator-type "$kind" --verifier-name-or-path "$P/hf" --data-path "$P/d" --num-layers 5 \
       --block-size 8 --target-layer-ids 2 9 15 21 28 --mask-token-id 16 --full-attention-indices 0 1 2 3 4 \
-      --no-sample-from-anchor --lr 1.2e-3 --scheduler-type cosine --max-steps "${PEER_STEPS:-2000}" \
+      --no-sample-from-anchor --draft-vocab-size 12288 --lr 1.2e-3 --scheduler-type cosine --max-steps "${PEER_STEPS:-2000}" \
       --total-seq-len 16384 --checkpoint-freq 0.5 --save-path "$P/ck" --epochs 20 > "$P/peer_train.log" 2>&1
     echo "speculators train exit $? after $(( $(date +%s) - s )) s"; tail -n 5 "$P/peer_train.log"
   fi
