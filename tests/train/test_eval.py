@@ -325,6 +325,6 @@ def test_an_export_that_does_not_match_its_config_is_refused(trained, tmp_path):
     assert res.exit_code == 2 and "does not hold what config.json describes" in res.output, res.output[-2000:]
     (out / "config.json").write_text("{not json")
     res = CliRunner().invoke(eval_main, ["--export", str(out), "--prompts", prompts, "--limit", "1"])
-    assert res.exit_code == 2 and "cannot be loaded as an export" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 2 and "unreadable export (JSONDecodeError" in res.output and "Traceback" not in res.output
 
 
