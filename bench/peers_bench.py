@@ -44,11 +44,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -82,20 +85,49 @@ def write_peer_rows(store: str, out: str, *, limit: int = 0) -> dict:
     return {"rows": len(ids), "out": str(dst)}
 
 
-def write_peer_hidden(store: str, out: str, order: list[list[int]]) -> dict:
+def store_tokens(reader: StoreReader) -> dict[tuple[int, ...], int]:
+    """Each sample's token ids -> its sample id, read from the token arrays alone (no hidden states)."""
+    idx, out = reader.index, {}
+    for gi, key in enumerate(idx.groups):
+        ids = reader.group_tokens(key)["input_ids"]  # [N] the group's tokens, samples back to back
+        for r in np.flatnonzero(idx.group == gi):
+            lo = int(idx.start[r])
+            out[tuple(ids[lo:lo + int(idx.length[r])].tolist())] = int(idx.sample_ids[r])
+    return out
+
+
+def _write_hidden_files(store: str, tmp: str, jobs: list[tuple[int, int]], w: torch.Tensor) -> int:
+    """hs_{i}.safetensors for each (i, sample id) of `jobs`; one process of the pool. Returns bytes written."""
+    torch.set_num_threads(1)
+    reader = StoreReader(store, verify_shards=True)
+    k, h, nbytes = len(reader.manifest.layer_ids), reader.manifest.target.hidden_size, 0
+    for lo in range(0, len(jobs), CHUNK):
+        part = jobs[lo:lo + CHUNK]
+        for (i, _), s in zip(part, reader.get_batch([sid for _, sid in part])):
+            # an input of the final norm that it maps onto the stored state: norm(last / w) = last, as
+            # rms(last / w) = 1; the teacher, lm_head(norm(.)), is then the target's own logits
+            last = (s.last_hidden.float() / w).unsqueeze(1)  # [T, 1, H]
+            hidden = torch.cat([s.hidden.view(-1, k, h).float(), last], 1).to(torch.bfloat16)  # [T, K + 1, H]
+            path = os.path.join(tmp, f"hs_{i}.safetensors")
+            save_file({"hidden_states": hidden, "token_ids": s.input_ids.long().contiguous()}, path)
+            nbytes += os.path.getsize(path)
+    return nbytes
+
+
+def write_peer_hidden(store: str, out: str, order: list[list[int]], *, procs: int = 0) -> dict:
     """hidden_states/hs_{i}.safetensors under `out` for the i-th row of `order` (the token ids of the
-    rows as `prepare-data` left them: it shuffles), each the store's sample of those tokens. Written
-    beside and renamed into place at the end: a stopped run leaves no hidden_states/."""
+    rows as `prepare-data` left them: it shuffles), each the store's sample of those tokens, written by
+    `procs` processes (0: one a core, at most 16). Written beside and renamed into place at the end: a
+    stopped run leaves no hidden_states/."""
     reader = StoreReader(store, verify_shards=True)
     m = reader.manifest
     if not m.last_hidden:
         raise ValueError(f"{store}: it holds no final hidden state, which speculators' teacher reads: extract "
                          "with --last-hidden")
-    k, h = len(m.layer_ids), m.target.hidden_size
-    w = reader.frozen()["norm.weight"].float() if m.last_hidden_post_norm else torch.ones(h)  # [H] final norm
+    w = reader.frozen()["norm.weight"].float() if m.last_hidden_post_norm else torch.ones(m.target.hidden_size)
     if bool((w.abs() < 1e-6).any()):
         raise ValueError(f"{store}: the target's final norm has zero weights: its input cannot be recovered")
-    by_tokens = {tuple(reader.get(int(sid)).input_ids.tolist()): int(sid) for sid in reader.sample_ids}
+    by_tokens = store_tokens(reader)
     missing = [i for i, ids in enumerate(order) if tuple(ids) not in by_tokens]
     if missing:
         raise ValueError(f"{out}: {len(missing)} prepared rows (first: row {missing[0]}) are no sample of {store}")
@@ -104,18 +136,14 @@ def write_peer_hidden(store: str, out: str, order: list[list[int]]) -> dict:
         raise ValueError(f"{dst} exists: remove it to write it again")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    nbytes = 0
-    for i, ids in enumerate(order):
-        s = reader.get(by_tokens[tuple(ids)])
-        # an input of the final norm that it maps onto the stored state: norm(last / w) = last, as
-        # rms(last / w) = 1; the teacher, lm_head(norm(.)), is then the target's own logits
-        last = (s.last_hidden.float() / w).unsqueeze(1)  # [T, 1, H]
-        hidden = torch.cat([s.hidden.view(-1, k, h).float(), last], 1).to(torch.bfloat16)  # [T, K + 1, H]
-        save_file({"hidden_states": hidden, "token_ids": s.input_ids.long().contiguous()},
-                  str(tmp / f"hs_{i}.safetensors"))
-        nbytes += (tmp / f"hs_{i}.safetensors").stat().st_size
+    jobs = [(i, by_tokens[tuple(ids)]) for i, ids in enumerate(order)]
+    n = max(1, min(procs or min(16, os.cpu_count() or 1), len(jobs)))
+    # spawned, not forked: the parent's zarr runs an event-loop thread that a fork would copy mid-flight
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        nbytes = sum(pool.map(_write_hidden_files, [store] * n, [str(tmp)] * n, [jobs[j::n] for j in range(n)],
+                              [w] * n))
     os.replace(tmp, dst)
-    return {"rows": len(order), "taps": k + 1, "hidden_bytes": nbytes, "out": str(dst)}
+    return {"rows": len(order), "taps": len(m.layer_ids) + 1, "hidden_bytes": nbytes, "out": str(dst)}
 
 
 def prepared_order(data: str) -> list[list[int]]:
@@ -212,6 +240,7 @@ def main() -> None:
     d = sub.add_parser("hidden", help="the hidden-state files of prepare-data's rows, from the store")
     d.add_argument("--store", required=True, help="the store the rows came from")
     d.add_argument("--data", required=True, help="prepare-data's output directory (hidden_states/ goes there)")
+    d.add_argument("--procs", type=int, default=0, help="processes writing the files (0: one a core, at most 16)")
     c = sub.add_parser("convert", help="a speculators dflash or dspark checkpoint as our export")
     c.add_argument("--checkpoint", required=True, help="its checkpoint directory (config.json, model.safetensors)")
     c.add_argument("--store", required=True, help="the store it was trained from (the target's identity)")
@@ -223,7 +252,7 @@ def main() -> None:
         if a.do == "rows":
             print(json.dumps(write_peer_rows(a.store, a.out, limit=a.limit)))
         elif a.do == "hidden":
-            print(json.dumps(write_peer_hidden(a.store, a.data, prepared_order(a.data))))
+            print(json.dumps(write_peer_hidden(a.store, a.data, prepared_order(a.data), procs=a.procs)))
         else:
             print(convert_checkpoint(a.checkpoint, a.store, a.out, whole_head=not a.draft_head))
     except (CacheFormatError, ValueError, OSError) as e:

@@ -15,7 +15,7 @@
 #   bash scripts/scale_run.sh eval      # the served export (bf16) against the float32 target, 48 held-out prompts
 #   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
 #   bash scripts/scale_run.sh peers     # speculators' drafter on a subset, decoded as ours (PEER_* settings);
-#                                       # ours on the same store: STORE=$W/peers/s.zarr RUN=... `train` and `eval`
+#                                       # ours on the same store: STORE=/dev/shm/peers.zarr RUN=... `train` and `eval`
 # The export that `pack` brings back is evaluated anywhere (as served: bf16 weights through AutoModel):
 #   mkdir E && cat export.safetensors.part-* > E/model.safetensors && cp export_config.json E/config.json
 #   cp train/modeling_dflash.py train/decoding_state.py train/draft_tree.py train/markov_head.py E/ && python -m train.eval --export E --target GGUF --limit 48 --max-new-tokens 96
@@ -128,38 +128,58 @@ valstore)  # answers of 256 tokens (val_decode_tau_96 reads the evaluation's 96-
   "${L[@]}" -m extract --config configs/smollm2-h200/extract.toml --store "${VSTORE:-/dev/shm/val.zarr}" \
     --data "$W/val.jsonl" "${TARGET[@]}" ${EXTRACT_ARGS:-} --json 2>&1 | grep -v "tok/s]" | tail -n 3;;
 peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_bench.py); each step is skipped
-  # when its output is there, so the stage spans calls. PEER_FRACTION of the 100K file (default 0.25: its
-  # bf16 hidden-state files, ~6.9 KB a token, fit the disk), PEER_KIND (dspark or dflash), PEER_STEPS (its
-  # cosine, default 2000), PEER_TLIM (seconds each trains, default 400); its wheels on PYTHONPATH
-  # (scripts/peer_wheels.sh). Ours trains from the same store with the preset, for the same seconds.
-  P=$W/peers; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
+  # when its output is there, so the stage spans calls. PEER_FRACTION of the 100K file (default 0.2: its
+  # bf16 hidden-state files, ~6.9 KB a token, ~40 GB, fit the disk beside the image), PEER_STORE (the subset's
+  # store, default /dev/shm/peers.zarr), PEER_KIND (dspark or dflash), PEER_TLIM (seconds it trains, default
+  # 300), PEER_STEPS (its cosine; default: what a probe of 120 steps says fits PEER_TLIM), PEER_STOP (data:
+  # end after its files; train: end after its training and conversion); its wheels on PYTHONPATH
+  # (scripts/peer_wheels.sh). Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
+  P=$W/peers; PS=${PEER_STORE:-/dev/shm/peers.zarr}; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
   spec=(python3 -c 'import sys; from speculators.__main__ import app; sys.argv[0] = "speculators"; app()')
-  if [ ! -f "$P/s.zarr/zarr.json" ]; then
-    gunzip -c "$DATA" | awk -v f="${PEER_FRACTION:-0.25}" '(NR - 1) % 100 < f * 100' > "$P/train.jsonl"
-    python3 -m extract --config configs/smollm2-h200/extract.toml --store "$P/s.zarr" --data "$P/train.jsonl" \
+  if [ ! -f "$PS/zarr.json" ]; then
+    gunzip -c "$DATA" | awk -v f="${PEER_FRACTION:-0.2}" '(NR - 1) % 100 < f * 100' > "$P/train.jsonl"
+    s=$(date +%s)
+    python3 -m extract --config configs/smollm2-h200/extract.toml --store "$PS" --data "$P/train.jsonl" \
       --last-hidden "${TARGET[@]}" --json 2>&1 | grep -v "tok/s]" | tail -n 3 || exit 1
+    echo "extract $(( $(date +%s) - s )) s"
   fi
   [ -d "$P/hf" ] || python3 -c 'import sys; from target.loader import save_hf_dir, packaged_gguf
 save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" || exit 1
-  [ -s "$P/d/rows.jsonl" ] || python3 -m bench peers rows --store "$P/s.zarr" --out "$P/d" || exit 1
+  [ -s "$P/d/rows.jsonl" ] || python3 -m bench peers rows --store "$PS" --out "$P/d" || exit 1
+  s=$(date +%s)
   [ -f "$P/d/dataset_info.json" ] || "${spec[@]}" prepare-data --model "$P/hf" --data "$P/d/rows.jsonl" --output "$P/d" \
     --minimum-valid-tokens 0 --seq-length 1024 --no-skip-token-freq 2>&1 | tail -n 2
-  [ -d "$P/d/hidden_states" ] || python3 -m bench peers hidden --store "$P/s.zarr" --data "$P/d" || exit 1
-  du -sh "$P/s.zarr" "$P/d/hidden_states"
-  if [ ! -d "$P/ck" ]; then  # ours where its defaults differ: block 8, 5 layers, taps, mask, draft vocabulary, lr, full attention
+  [ -d "$P/d/hidden_states" ] || python3 -m bench peers hidden --store "$PS" --data "$P/d" || exit 1
+  echo "prepare-data and hidden files $(( $(date +%s) - s )) s"; du -sh "$PS" "$P/d/hidden_states"; df -h "$P" | tail -n 1
+  [ "${PEER_STOP:-}" = data ] && exit 0
+  # ours where its defaults differ: block 8, 5 layers, taps, mask, draft vocabulary, lr, full attention,
+  # 2% held out (its default 10% is validated every epoch), a log line (and its GPU sync) every 100 steps
+  ptrain=(train --speculator-type "$kind" --verifier-name-or-path "$P/hf" --data-path "$P/d" --num-layers 5
+    --block-size 8 --target-layer-ids 2 9 15 21 28 --mask-token-id 16 --full-attention-indices 0 1 2 3 4
+    --no-sample-from-anchor --draft-vocab-size 12288 --lr 1.2e-3 --scheduler-type cosine --total-seq-len 16384
+    --train-data-ratio 0.98 --log-freq 100 --epochs 50)
+  steps=${PEER_STEPS:-}
+  if [ -z "$steps" ] && [ ! -d "$P/ck" ]; then  # its steps/s from tqdm's rate over a 120-step probe
+    timeout 400 "${spec[@]}" "${ptrain[@]}" --max-steps 120 --checkpoint-freq 50 --save-path "$P/probe" > "$P/probe.log" 2>&1
+    rate=$(tr '\r' '\n' < "$P/probe.log" | grep -E '^Epoch' | grep -oE '[0-9.]+(it/s|s/it)' | tail -n 1)
+    steps=$(python3 -c 'import sys; r = sys.argv[1]; v = float(r[:-4]); print(int((v if r.endswith("it/s") else 1 / v) * float(sys.argv[2]) * 0.95))' "$rate" "${PEER_TLIM:-300}") || exit 1
+    echo "probe: $rate -> $steps steps in ${PEER_TLIM:-300} s"; rm -rf "$P/probe"
+  fi
+  if [ ! -d "$P/ck" ]; then
     s=$(date +%s)
-    timeout $(( ${PEER_TLIM:-400} + 120 )) "${spec[@]}" train --speculator-type "$kind" --verifier-name-or-path "$P/hf" --data-path "$P/d" --num-layers 5 \
-      --block-size 8 --target-layer-ids 2 9 15 21 28 --mask-token-id 16 --full-attention-indices 0 1 2 3 4 \
-      --no-sample-from-anchor --draft-vocab-size 12288 --lr 1.2e-3 --scheduler-type cosine --max-steps "${PEER_STEPS:-2000}" \
-      --total-seq-len 16384 --checkpoint-freq 0.5 --save-path "$P/ck" --epochs 20 > "$P/peer_train.log" 2>&1
-    echo "speculators train exit $? after $(( $(date +%s) - s )) s"; tail -n 5 "$P/peer_train.log"
+    timeout $(( ${PEER_TLIM:-300} + 150 )) "${spec[@]}" "${ptrain[@]}" --max-steps "$steps" --checkpoint-freq 1 \
+      --save-path "$P/ck" > "$P/peer_train.log" 2>&1
+    echo "speculators train exit $? after $(( $(date +%s) - s )) s, $steps steps"
+    tr '\r' '\n' < "$P/peer_train.log" | grep -v '^\s*$' | tail -n 4
+    cp "$P/peer_train.log" "${OUT:-/tmp/out}/" 2>/dev/null
   fi
   ck=$(find "$P/ck" -name model.safetensors -printf '%T@ %h\n' | sort -n | tail -n 1 | cut -d' ' -f2)
-  python3 -m bench peers convert --checkpoint "$ck" --store "$P/s.zarr" --out "$P/e" > /dev/null || exit 1
-  python3 -m train.eval --export "$P/e" --limit 48 --max-new-tokens 96 --no-prompt-lookup --tree-budget 0,512 \
+  [ -d "$P/e" ] || python3 -m bench peers convert --checkpoint "$ck" --store "$PS" --out "$P/e" > /dev/null || exit 1
+  cp "$P/e/config.json" "${OUT:-/tmp/out}/peer_export_config.json" 2>/dev/null
+  [ "${PEER_STOP:-}" = train ] && exit 0
+  python3 -m train.eval --export "$P/e" --limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 ${EVAL_ARGS:---no-prompt-lookup --tree-budget 0,512} \
     --json "${TARGET[@]}" 2>&1 | tail -n 1 | cut -c1-1500
-  cp "$P/e/eval.json" "${OUT:-/tmp/out}/peer_eval.json" 2>/dev/null
-  cp "$P/peer_train.log" "${OUT:-/tmp/out}/" 2>/dev/null;;
+  cp "$P/e/eval.json" "${OUT:-/tmp/out}/peer_eval.json" 2>/dev/null;;
 pack) pack;;
 *) echo "stage must be formats, extract, valstore, train, eval, peers or pack" >&2; exit 2;;
 esac

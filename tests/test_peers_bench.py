@@ -47,7 +47,7 @@ def test_peer_rows_then_hidden_files_in_the_prepared_order(peer_store, tmp_path)
     assert [r["input_ids"] for r in rows] == [s.input_ids.tolist() for s in samples]
     assert [r["loss_mask"] for r in rows] == [s.loss_mask.tolist() for s in samples]
     order = [rows[i]["input_ids"] for i in torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))]
-    res = write_peer_hidden(peer_store, str(tmp_path / "p"), order)  # prepare-data shuffles its rows
+    res = write_peer_hidden(peer_store, str(tmp_path / "p"), order, procs=2)  # prepare-data shuffles its rows
     assert res["rows"] == len(order) and res["taps"] == 3 and not (tmp_path / "p" / "hidden_states.partial").exists()
     norm = Qwen3RMSNorm(32, eps=1e-6)
     norm.weight.data = reader.frozen()["norm.weight"].float()
