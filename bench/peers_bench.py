@@ -4,6 +4,7 @@ by `train.eval` as ours are.
     python -m bench peers rows --store S --out D              # S's samples as rows for prepare-data
     python -m bench peers hidden --store S --data D           # then their hidden-state files, in its order
     python -m bench peers convert --checkpoint CK --store S --out E   # its checkpoint -> our export
+    python -m bench peers check-layout --export X --verifier HF  # ours in its layout, loaded by it
 
 speculators trains offline from an Arrow dataset of `input_ids` / `loss_mask` rows (its
 `prepare-data` passes rows that carry both straight through) and one `hidden_states/hs_{i}.safetensors`
@@ -48,6 +49,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -230,6 +232,31 @@ def convert_checkpoint(checkpoint: str, store: str, out: str, *, whole_head: boo
     return write_export(Path(out), state, ours)
 
 
+def check_speculators_load(export: str, verifier: str) -> dict:
+    """Load an export written with `train.export --layout speculators` by speculators' own classes
+    (its verifier: the target as an HF directory) and compare every tensor of the file with the
+    loaded model's; ValueError where a tensor is missing, unexpected or not equal."""
+    try:
+        from speculators import SpeculatorModel  # the peer: installed for the bench, never with us
+    except ImportError:
+        raise ValueError("this check needs speculators installed (pip install --no-deps speculators==0.9.0 "
+                         "and its dependencies)") from None
+    with tempfile.TemporaryDirectory() as tmp:  # the export's verifier path is rewritten in a copy
+        cfg = json.loads((Path(export) / "config.json").read_text())
+        cfg["speculators_config"]["verifier"]["name_or_path"] = verifier
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        os.symlink(Path(export, "model.safetensors").resolve(), Path(tmp) / "model.safetensors")
+        model, info = SpeculatorModel.from_pretrained(tmp, output_loading_info=True)
+        held = load_file(str(Path(export) / "model.safetensors"))
+    problems = {k: v for k, v in info.items() if v}
+    state = model.state_dict()
+    unequal = [k for k, v in held.items() if k not in state or not torch.equal(state[k].to(v.dtype), v)]
+    if problems or unequal:
+        raise ValueError(f"{export}: speculators loads it with {problems or 'no complaint'}, unequal tensors "
+                         f"{unequal[:3]}")
+    return {"class": type(model).__name__, "tensors": len(held), "equal": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench peers", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="do", required=True)
@@ -247,12 +274,17 @@ def main() -> None:
     c.add_argument("--out", required=True, help="the export directory to write")
     c.add_argument("--draft-head", action="store_true",
                    help="draft from its draft vocabulary only (as trained); default: the target's whole lm_head")
+    k = sub.add_parser("check-layout", help="load an export in speculators' layout with speculators itself")
+    k.add_argument("--export", required=True, help="written by python -m train.export --layout speculators")
+    k.add_argument("--verifier", required=True, help="the target as an HF directory")
     a = ap.parse_args()
     try:
         if a.do == "rows":
             print(json.dumps(write_peer_rows(a.store, a.out, limit=a.limit)))
         elif a.do == "hidden":
             print(json.dumps(write_peer_hidden(a.store, a.data, prepared_order(a.data), procs=a.procs)))
+        elif a.do == "check-layout":
+            print(json.dumps(check_speculators_load(a.export, a.verifier)))
         else:
             print(convert_checkpoint(a.checkpoint, a.store, a.out, whole_head=not a.draft_head))
     except (CacheFormatError, ValueError, OSError) as e:

@@ -131,7 +131,7 @@ peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_ben
   # when its output is there, so the stage spans calls. PEER_FRACTION of the 100K file (default 0.2: its
   # bf16 hidden-state files, ~6.9 KB a token, ~40 GB, fit the disk beside the image), PEER_STORE (the subset's
   # store, default /dev/shm/peers.zarr), PEER_KIND (dspark or dflash), PEER_TLIM (seconds it trains, default
-  # 300), PEER_STEPS (its cosine; default: what a probe of 120 steps says fits PEER_TLIM), PEER_STOP (data:
+  # 300), PEER_STEPS (its cosine; default: what a probe of PEER_PROBE steps, default 120, says fits PEER_TLIM), PEER_STOP (data:
   # end after its files; train: end after its training and conversion); its wheels on PYTHONPATH
   # (scripts/peer_wheels.sh). Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
   P=$W/peers; PS=${PEER_STORE:-/dev/shm/peers.zarr}; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
@@ -160,7 +160,7 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
     --train-data-ratio 0.98 --log-freq 100 --epochs 50)
   steps=${PEER_STEPS:-}
   if [ -z "$steps" ] && [ ! -d "$P/ck" ]; then  # its steps/s from tqdm's rate over a 120-step probe
-    timeout 400 "${spec[@]}" "${ptrain[@]}" --max-steps 120 --checkpoint-freq 50 --save-path "$P/probe" > "$P/probe.log" 2>&1
+    timeout 400 "${spec[@]}" "${ptrain[@]}" --max-steps "${PEER_PROBE:-120}" --checkpoint-freq 50 --save-path "$P/probe" > "$P/probe.log" 2>&1
     rate=$(tr '\r' '\n' < "$P/probe.log" | grep -E '^Epoch' | grep -oE '[0-9.]+(it/s|s/it)' | tail -n 1)
     steps=$(python3 -c 'import sys; r = sys.argv[1]; v = float(r[:-4]); print(int((v if r.endswith("it/s") else 1 / v) * float(sys.argv[2]) * 0.95))' "$rate" "${PEER_TLIM:-300}") || exit 1
     echo "probe: $rate -> $steps steps in ${PEER_TLIM:-300} s"; rm -rf "$P/probe"

@@ -121,3 +121,25 @@ def test_a_speculators_checkpoint_converts_to_the_export_it_came_from(peer_store
     (sliding / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="--full-attention-indices"):
         convert_checkpoint(str(sliding), peer_store, str(tmp_path / "y"))
+
+
+@pytest.mark.parametrize("markov_rank", [0, 4])
+def test_our_export_in_the_speculators_layout_converts_back_to_our_export(peer_store, tmp_path, markov_rank):
+    """train.export --layout speculators, read by the converter that reads speculators' own
+    checkpoints, gives back tensor for tensor the export in our layout."""
+    run = tmp_path / "run"
+    train(train_cfg(peer_store, run, max_steps=2, markov_rank=markov_rank))
+    ours = export_run(str(run), str(tmp_path / "ours"))
+    spec = export_run(str(run), str(tmp_path / "spec"), layout="speculators")
+    cfg = json.loads((spec / "config.json").read_text())
+    assert cfg["speculators_model_type"] == ("dspark" if markov_rank else "dflash")
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 3] and cfg["sample_from_anchor"] is False
+    assert sorted(p.name for p in spec.iterdir()) == ["config.json", "model.safetensors"]
+    back = convert_checkpoint(str(spec), peer_store, str(tmp_path / "back"))
+    a, b = load_file(str(ours / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((ours / "config.json").read_text()) == json.loads((back / "config.json").read_text())
+    p = subprocess.run([sys.executable, "-m", "train.export", "--run", str(run), "--out", str(tmp_path / "x"),
+                        "--layout", "speculators", "--draft-head"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and "--draft-head" in p.stderr and "Traceback" not in p.stderr

@@ -32,6 +32,7 @@ from runtime.cli import config_command
 from train.checkpoint import load_checkpoint, resolve_checkpoint
 from train.model import DrafterConfig
 from train.modeling_dflash import DFlashDraftModel
+from train.speculators_layout import write_speculators
 
 __all__ = ["SERVED_FILES", "ExportConfig", "export_config", "export_run", "from_export_names", "hf_drafter",
            "to_export_names", "write_export"]
@@ -62,14 +63,16 @@ def from_export_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return {k.replace(".self_attn.", ".").replace(".mlp.", "."): v for k, v in state.items()}
 
 
-def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False, whole_head: bool = True) -> Path:
+def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False, whole_head: bool = True,
+               layout: str = "dflash") -> Path:
     """Write the run's chosen checkpoint to `out`; a non-empty `out` is refused unless `overwrite`
     (files of another export beside ours would be served with it). `whole_head`: a drafter trained
     with a draft vocabulary is exported to draft from the target's whole lm_head (no draft_ids):
     its head is the target's own, and drafting over every row decoded better than over the trained
     subset (on the H200 τ 2.201 vs 2.184, docs/benchmarks/2026-12-03_vocab-size_h200.md); servers then
     need no draft-vocabulary path, and `--init-from` takes it for a run with any draft vocabulary.
-    False keeps the draft vocabulary (`draft_ids`, config `draft_vocab_size`).
+    False keeps the draft vocabulary (`draft_ids`, config `draft_vocab_size`). `layout` "speculators"
+    writes speculators' checkpoint layout (train.speculators_layout) instead of ours.
 
     Nothing is deleted before its replacement is complete: the checkpoint is read and checked
     first, the export is written beside `out` (`.NAME.partial`) and swapped in by renames, and only
@@ -91,7 +94,13 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
     for p in (tmp, old):  # left by an export killed midway
         shutil.rmtree(p, ignore_errors=True)
     try:
-        write_export(tmp, state, weights)
+        if layout == "speculators":
+            write_speculators(tmp, state, to_export_names(weights))
+        else:
+            write_export(tmp, state, weights)
+    except ValueError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except Exception as e:  # noqa: BLE001 - a full disk reaches us as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"{out}: the export could not be written ({' '.join(str(e).split())[:200]}); "
@@ -249,11 +258,19 @@ class ExportConfig:
     draft_head: bool = False
     """A drafter trained with --draft-vocab drafts from its draft vocabulary only when served (draft_ids
     in the export); by default it drafts from the target's whole lm_head (no draft_ids)."""
+    layout: str = "dflash"
+    """'dflash': the DFlash authors' Hugging Face layout with its modeling code (AutoModel, SGLang, vLLM);
+    'speculators': the checkpoint layout of vLLM's speculators (dflash, or dspark with a Markov head)."""
 
     def __post_init__(self) -> None:
         for name in ("run", "out"):
             if not (getattr(self, name) or "").strip():  # None: the option not given
                 raise ValueError(f"--{name} must name a directory")
+        if self.layout not in ("dflash", "speculators"):
+            raise ValueError(f"--layout {self.layout!r}: must be dflash or speculators")
+        if self.layout == "speculators" and self.draft_head:
+            raise ValueError("--layout speculators is written for drafting over the target's whole vocabulary: "
+                             "drop --draft-head")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -263,7 +280,8 @@ class ExportConfig:
 def main(cfg: ExportConfig) -> None:
     """Export a trained drafter for SGLang / vLLM (z-lab DFlash layout)."""
     try:
-        dst = export_run(cfg.run, cfg.out, cfg.checkpoint, overwrite=cfg.overwrite, whole_head=not cfg.draft_head)
+        dst = export_run(cfg.run, cfg.out, cfg.checkpoint, overwrite=cfg.overwrite, whole_head=not cfg.draft_head,
+                         layout=cfg.layout)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"exported to {dst}")

@@ -267,5 +267,5 @@ def run_record(cfg: TrainConfig, dc: DrafterConfig, m: Manifest, layer_ids: list
             "store": str(cfg.store), "store_identity": m.identity(), "target": m.target.name,
             "target_sha256": m.target.sha256, "total_steps": total_steps,
             "num_target_layers": m.target.num_layers, "draft_vocab_coverage": draft_vocab_coverage,
-            "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings",)}}
+            "target_config": {k: m.target.config.get(k) for k in ("max_position_embeddings", "architectures")}}
 
