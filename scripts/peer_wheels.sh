@@ -9,7 +9,7 @@ mkdir -p "$DIR"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$DIR" \
   speculators==0.9.0 hs-connectors==0.9.0 datasets dill multiprocess loguru pydantic pydantic-core \
-  pydantic-settings python-dotenv annotated-types typing-inspection openai jiter distro sniffio httpx httpx2 httpcore2 truststore idna \
+  pydantic-settings python-dotenv annotated-types typing-inspection openai jiter distro sniffio httpx httpx2 httpcore2 truststore idna typer shellingham annotated-doc \
   httpcore anyio h11
 ls "$DIR" | wc -l
 du -sh "$DIR"
