@@ -25,7 +25,7 @@
 # default: as many as fit in /dev/shm and memory beside the formats answers), STEPS (cosine length, default 10000), LR (1.2e-3),
 # TLIM (seconds this call may train: train's --time-limit, default 480), EXTRACT_ARGS (more extract
 # options, e.g. "--dtype mxfp4"), CUT_LOOPS (1: cut each answer where it starts repeating itself,
-# extract.regenerate.loops, before extraction), EXPORT_ARGS (the eval stage's export options, e.g.
+# extract.regenerate.loops, before extraction), EXPORT_ARGS (the eval and pack stages' export options, e.g.
 # --draft-head: drafting from the draft vocabulary only, not the target's whole lm_head), VERIFY (train's
 # --verify-shards: on (default), off or auto), TRAIN_ARGS (more train options, e.g. "--num-layers 8
 # --intermediate-size 3072"; to go on from a drafter an earlier machine brought back: "--init-from DIR"
@@ -49,7 +49,8 @@ pack() {  # metrics, eval.json, log tail and the drafter's bf16 export into $OUT
   cp "$RUN/metrics.jsonl" "$RUN/eval.json" "$out/" 2>/dev/null
   # the trained drafter comes back too: its bf16 export in parts under 16 MiB (at most 8 files in all);
   # rejoin with `cat export.safetensors.part-* > model.safetensors` beside a fresh export's config.json
-  if python3 -m train.export --run "$RUN" --out "$W/export" --overwrite > /dev/null; then
+  # shellcheck disable=SC2086
+  if python3 -m train.export --run "$RUN" --out "$W/export" --overwrite ${EXPORT_ARGS:-} > /dev/null; then
     cp "$W/export/config.json" "$out/export_config.json"
     split -b 15M -d -a 1 "$W/export/model.safetensors" "$out/export.safetensors.part-"
   fi
@@ -132,7 +133,7 @@ peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_ben
   # bf16 hidden-state files, ~6.9 KB a token, ~40 GB, fit the disk beside the image), PEER_STORE (the subset's
   # store, default /dev/shm/peers.zarr), PEER_KIND (dspark or dflash), PEER_TLIM (seconds it trains, default
   # 300), PEER_STEPS (its cosine; default: what a probe of PEER_PROBE steps, default 120, says fits PEER_TLIM), PEER_STOP (data:
-  # end after its files; train: end after its training and conversion); its wheels on PYTHONPATH
+  # end after its files; train: end after its training and conversion), PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH
   # (scripts/peer_wheels.sh). Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
   P=$W/peers; PS=${PEER_STORE:-/dev/shm/peers.zarr}; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
   spec=(python3 -c 'import sys; from speculators.__main__ import app; sys.argv[0] = "speculators"; app()')
@@ -174,7 +175,7 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
     cp "$P/peer_train.log" "${OUT:-/tmp/out}/" 2>/dev/null
   fi
   ck=$(find "$P/ck" -name model.safetensors -printf '%T@ %h\n' | sort -n | tail -n 1 | cut -d' ' -f2)
-  [ -d "$P/e" ] || python3 -m bench peers convert --checkpoint "$ck" --store "$PS" --out "$P/e" > /dev/null || exit 1
+  [ -d "$P/e" ] || python3 -m bench peers convert --checkpoint "$ck" --store "$PS" --out "$P/e" ${PEER_CONVERT_ARGS:-} > /dev/null || exit 1
   cp "$P/e/config.json" "${OUT:-/tmp/out}/peer_export_config.json" 2>/dev/null
   [ "${PEER_STOP:-}" = train ] && exit 0
   python3 -m train.eval --export "$P/e" --limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 ${EVAL_ARGS:---no-prompt-lookup --tree-budget 0,512} \
