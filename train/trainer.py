@@ -22,19 +22,18 @@ from cache_format.lock import WriterLock
 from runtime.cli import to_toml
 from runtime.preemption import Preemption
 from runtime.world import World, any_rank
-from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, save_best, save_checkpoint, set_aside_after
+from train.checkpoint import best_checkpoint, save_best, save_checkpoint
 from train.config import TrainConfig
 from train.data import BatchDataset, CollateSettings, holdout_mask, node_shares, plan_epoch, replay_dataset, to_device
 from train.data_parallel import data_parallel
 from train.follow import StoreView, WriterWatch, agree_view, view_of
 from train.losses import acceptance_from_acc
-from train.metrics import MetricsLog, plot_metrics, trim_metrics
+from train.metrics import MetricsLog, plot_metrics
+from train.resume import resumed_state
 from train.start import (
     best_by,
     best_state,
     build_drafter,
-    check_resume,
-    check_same_vocab,
     domain_groups,
     draft_vocab_of,
     drafter_config,
@@ -42,9 +41,8 @@ from train.start import (
     open_store,
     open_val_store,
     run_record,
-    start_from_weights,
 )
-from train.state import TrainState, any_rank_past
+from train.state import any_rank_past
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
@@ -98,8 +96,8 @@ class Trainer:
         per_epoch = self._steps_per_epoch()  # refuses a store too small for one step, with --max-steps too
         self.total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
-        self.state = TrainState()
-        self.resume()
+        self.state = resumed_state(cfg, self.model, self.opt, self.sched, reader=self.reader, dc=self.dc,
+                                   layer_ids=self.layer_ids, total=self.total, rank=self.rank, world=self.world)
         if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
             self.model.compile_layers()
         self.ddp = data_parallel(self.model, grad_reduce=cfg.grad_reduce) if self.world > 1 else self.model
@@ -275,41 +273,6 @@ class Trainer:
                                    "config": self.cfg.to_dict(), **self.record})
         if self.world > 1:
             dist.barrier()
-
-    def resume(self) -> None:
-        """Continue from the newest checkpoint with --resume; without it, refuse a run directory that has one."""
-        cfg = self.cfg
-        ck = latest_checkpoint(cfg.out)
-        if not cfg.resume and (ck or best_checkpoint(cfg.out)):
-            # else an earlier run's step-N (newer) or best-N would be what eval and export pick
-            raise ValueError(f"{cfg.out} holds checkpoints of an earlier run: pass --resume to continue it, "
-                             "or another --out")
-        if cfg.resume and cfg.resume_from:
-            ck = Path(cfg.resume_from)
-        if cfg.resume and ck is not None:
-            weights, opt_state, saved = load_checkpoint(ck)
-            check_resume(cfg, saved, self.reader.manifest.identity())
-            if not cfg.follow and saved.get("total_steps") != self.total:  # follow mode's total is an estimate
-                raise ValueError(f"cannot resume {cfg.out}: its learning-rate schedule spans {saved.get('total_steps')} "
-                                 f"steps, these options make it {self.total} (--max-steps or --epochs changed); resume "
-                                 "with the same, or go on in a new run with --init-from an export of this one")
-            check_same_vocab(self.model, weights, str(ck), cfg.store)
-            try:  # strict: a checkpoint missing a tensor would leave it at its random init
-                self.model.load_state_dict(weights, strict=True)
-            except RuntimeError as e:
-                raise ValueError(f"{ck}: its weights do not fit this drafter ({str(e).splitlines()[0]})") from None
-            self.opt.load_state_dict(opt_state["optimizer"])
-            self.sched.load_state_dict(opt_state["scheduler"])
-            self.state = TrainState(step=saved["step"], epoch=saved["epoch"], in_epoch=saved["step_in_epoch"])
-            if cfg.resume_from:  # the next resume would take the later step-N as the newest
-                if self.rank == 0:
-                    set_aside_after(cfg.out, self.step)
-                if self.world > 1:
-                    dist.barrier()
-        elif cfg.init_from or cfg.init_layers:
-            start_from_weights(self.model, cfg, self.dc, self.layer_ids, self.reader)
-        if self.rank == 0:
-            trim_metrics(cfg.out, self.step)  # rows a killed run logged after its last checkpoint are redone
 
     # ------------------------------------------------------------------ the loop
     def _start_next_epoch_early(self, epoch: int, s_idx: int, first: int, n_steps: int) -> bool:
