@@ -133,7 +133,7 @@ peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_ben
   # bf16 hidden-state files, ~6.9 KB a token, ~40 GB, fit the disk beside the image), PEER_STORE (the subset's
   # store, default /dev/shm/peers.zarr), PEER_KIND (dspark or dflash), PEER_TLIM (seconds it trains, default
   # 300), PEER_STEPS (its cosine; default: what a probe of PEER_PROBE steps, default 120, says fits PEER_TLIM), PEER_STOP (data:
-  # end after its files; train: end after its training and conversion), PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH
+  # end after its files; probe: after the probe; train: end after its training and conversion), PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH
   # (scripts/peer_wheels.sh). Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
   P=$W/peers; PS=${PEER_STORE:-/dev/shm/peers.zarr}; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
   spec=(python3 -c 'import sys; from speculators.__main__ import app; sys.argv[0] = "speculators"; app()')
@@ -165,6 +165,8 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
     rate=$(tr '\r' '\n' < "$P/probe.log" | grep -E '^Epoch' | grep -oE '[0-9.]+(it/s|s/it)' | tail -n 1)
     steps=$(python3 -c 'import sys; r = sys.argv[1]; v = float(r[:-4]); print(int((v if r.endswith("it/s") else 1 / v) * float(sys.argv[2]) * 0.95))' "$rate" "${PEER_TLIM:-300}") || exit 1
     echo "probe: $rate -> $steps steps in ${PEER_TLIM:-300} s"; rm -rf "$P/probe"
+    tr '\r' '\n' < "$P/probe.log" | grep -E '^Epoch' | tail -n 3 > "${OUT:-/tmp/out}/peer_probe_tail.txt" 2>/dev/null
+    [ "${PEER_STOP:-}" = probe ] && exit 0
   fi
   if [ ! -d "$P/ck" ]; then
     s=$(date +%s)
