@@ -80,10 +80,7 @@ def speculators_config(state: dict) -> dict:
 def write_speculators(dst: Path, state: dict, weights: dict[str, torch.Tensor]) -> Path:
     """config.json and bf16 model.safetensors of a drafter (its export names: `to_export_names`) in
     speculators' layout, into `dst`."""
-    cfg = speculators_config(state)
-    if "draft_ids" in weights:
-        raise ValueError("the speculators layout is written for a drafter over the target's whole vocabulary: "
-                         "export without --draft-head")
+    cfg = speculators_config(state)  # refuses a draft-vocabulary drafter (the one that holds draft_ids)
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in weights.items()},
