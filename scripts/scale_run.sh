@@ -154,23 +154,29 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
   echo "prepare-data and hidden files $(( $(date +%s) - s )) s"; du -sh "$PS" "$P/d/hidden_states"; df -h "$P" | tail -n 1
   [ "${PEER_STOP:-}" = data ] && exit 0
   # ours where its defaults differ: block 8, 5 layers, taps, mask, draft vocabulary, lr, full attention,
-  # 2% held out (its default 10% is validated every epoch), a log line (and its GPU sync) every 100 steps
+  # 2% held out (its default 10% is validated every epoch), a log line (and its GPU sync) every 100 steps.
+  # PEER_LOSS (default eager): its fused Triton loss fails under torch 2.11's dynamo (the image's torch),
+  # while its eager loss keeps the drafter compiled
   ptrain=(train --speculator-type "$kind" --verifier-name-or-path "$P/hf" --data-path "$P/d" --num-layers 5
     --block-size 8 --target-layer-ids 2 9 15 21 28 --mask-token-id 16 --full-attention-indices 0 1 2 3 4
     --no-sample-from-anchor --draft-vocab-size 12288 --lr 1.2e-3 --scheduler-type cosine --total-seq-len 16384
-    --train-data-ratio 0.98 --log-freq 100 --epochs 50)
+    --train-data-ratio 0.98 --log-freq 100 --epochs 50 --loss-implementation "${PEER_LOSS:-eager}")
   steps=${PEER_STEPS:-}
   if [ -z "$steps" ] && [ ! -d "$P/ck" ]; then  # its steps/s from tqdm's rate over a 120-step probe
     timeout 400 "${spec[@]}" "${ptrain[@]}" --max-steps "${PEER_PROBE:-120}" --checkpoint-freq 50 --save-path "$P/probe" > "$P/probe.log" 2>&1
     rate=$(tr '\r' '\n' < "$P/probe.log" | grep -E '^Epoch' | grep -oE '[0-9.]+(it/s|s/it)' | tail -n 1)
+    if [ -z "$rate" ]; then  # it never reached a step: its own error is the log's tail
+      tail -c 20000 "$P/probe.log" > "${OUT:-/tmp/out}/peer_probe.log" 2>/dev/null
+      echo "peers: the probe printed no step rate; its log's tail: $P/probe.log" >&2; exit 1
+    fi
     steps=$(python3 -c 'import sys; r = sys.argv[1]; v = float(r[:-4]); print(int((v if r.endswith("it/s") else 1 / v) * float(sys.argv[2]) * 0.95))' "$rate" "${PEER_TLIM:-300}") || exit 1
     echo "probe: $rate -> $steps steps in ${PEER_TLIM:-300} s"; rm -rf "$P/probe"
     tr '\r' '\n' < "$P/probe.log" | grep -E '^Epoch' | tail -n 3 > "${OUT:-/tmp/out}/peer_probe_tail.txt" 2>/dev/null
     [ "${PEER_STOP:-}" = probe ] && exit 0
   fi
-  if [ ! -d "$P/ck" ]; then
+  if [ ! -d "$P/ck" ]; then  # a checkpoint every tenth of an epoch: a run the timeout cuts still leaves one
     s=$(date +%s)
-    timeout $(( ${PEER_TLIM:-300} + 150 )) "${spec[@]}" "${ptrain[@]}" --max-steps "$steps" --checkpoint-freq 1 \
+    timeout $(( ${PEER_TLIM:-300} + 150 )) "${spec[@]}" "${ptrain[@]}" --max-steps "$steps" --checkpoint-freq 0.1 \
       --save-path "$P/ck" > "$P/peer_train.log" 2>&1
     echo "speculators train exit $? after $(( $(date +%s) - s )) s, $steps steps"
     tr '\r' '\n' < "$P/peer_train.log" | grep -v '^\s*$' | tail -n 4
