@@ -48,7 +48,9 @@ def markov_chain(logits: torch.Tensor, root: torch.Tensor, head: MarkovHead,
     out, prev = [], root.reshape(())
     for d in range(logits.shape[0]):
         idx = (logits[d].float() + head(prev).float()).argmax(-1)
-        prev = idx if draft_ids is None else draft_ids[idx]
+        # a gather, not draft_ids[idx]: indexing by a 0-d tensor reads it on the host, which a CUDA graph's
+        # capture refuses
+        prev = idx if draft_ids is None else draft_ids.index_select(0, idx.reshape(1)).reshape(())
         out.append(prev)
     return torch.stack(out)
 

@@ -90,8 +90,9 @@ def test_fp8_taps_dequantized_on_the_side_stream_equal_the_host_decode(tmp_path)
         assert got["hidden"].dtype == torch.bfloat16 and torch.equal(got["hidden"].cpu(), want["hidden"])
 
 
-@pytest.mark.parametrize("budget,markov", [(0, 0), (8, 0), (32, 0), (0, 4), (32, 4)])
-def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_result(budget, markov):
+@pytest.mark.parametrize("budget,markov,rows", [(0, 0, 0), (8, 0, 0), (32, 0, 0), (0, 4, 0), (32, 4, 0),
+                                                (0, 4, 4), (32, 4, 4)])
+def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_result(budget, markov, rows):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config
 
     from train.modeling_dflash import DFlashDraftModel
@@ -105,7 +106,10 @@ def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_re
                      num_key_value_heads=2, head_dim=16)
     dc.block_size, dc.dflash_config = 8, {"target_layer_ids": [0, 2], "mask_token_id": 5}
     dc.markov_rank = markov  # a Markov head: sequential chain drafting, conditional trees, inside the graph
+    dc.draft_vocab_size = rows  # a draft vocabulary of 4 of the 6 ids (0: the whole vocabulary)
     drafter = DFlashDraftModel(dc).cuda().eval()
+    if rows:
+        drafter.draft_ids.copy_(torch.tensor([0, 1, 2, 4]))
     longest = 0
     for p in ([1, 2, 3, 4, 0, 1], [2] * 40, [0, 3]):
         ids = torch.tensor([p], device="cuda")

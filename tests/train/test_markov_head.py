@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.train.test_draft_tree import _oracle_markov
 from train.anchors import IGNORE, previous_tokens
@@ -123,6 +124,29 @@ def test_markov_chain_maps_draft_rows_to_target_ids():
     for d in range(5):  # the loop: the bias is read from the previous token's target id
         prev = int(ids[(logits[d] + head(torch.tensor(prev))).argmax()])
         assert got[d] == prev
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that copy a tensor's value to the host (what a CUDA graph's capture refuses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", [30, 7])
+def test_markov_chain_drafts_without_reading_a_value_on_the_host(rows):
+    g = torch.Generator().manual_seed(5)
+    ids = None if rows == 30 else torch.randperm(30, generator=g)[:rows]
+    head, logits = _head(30, rows, 2, g), torch.randn(5, rows, generator=g)
+    with torch.no_grad(), _HostReads() as probe:
+        markov_chain(logits, torch.tensor(4), head, ids)
+        _ = torch.tensor([3, 1])[torch.tensor(1)]  # the probe sees a host read where there is one
+    assert probe.reads == 1
 
 
 def test_tree_accepts_with_the_head_equal_the_longest_true_prefix_of_the_enumerated_tree():
