@@ -5,6 +5,7 @@ by `train.eval` as ours are.
     python -m bench peers hidden --store S --data D           # then their hidden-state files, in its order
     python -m bench peers convert --checkpoint CK --store S --out E   # its checkpoint -> our export
     python -m bench peers check-layout --export X --verifier HF  # ours in its layout, loaded by it
+    python -m bench peers plan --log PROBE_LOG --seconds T    # its steps and epochs in T s of training
 
 speculators trains offline from an Arrow dataset of `input_ids` / `loss_mask` rows (its
 `prepare-data` passes rows that carry both straight through) and one `hidden_states/hs_{i}.safetensors`
@@ -47,6 +48,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -159,6 +161,26 @@ def prepared_order(data: str) -> list[list[int]]:
         return [list(map(int, r)) for r in load_from_disk(data).with_format(None)["input_ids"]]
     except (OSError, ValueError, FileNotFoundError) as e:
         raise ValueError(f"{data}: not a prepare-data output ({e})") from None
+
+
+def probe_plan(log: str, seconds: float, *, margin: float = 0.95) -> dict:
+    """The steps of `speculators train` that fit `seconds` of training, from the log of a probe run: its
+    profile lines' step_ms (the first is step 0, compilation included; the last a steady step) and its
+    progress bars' epoch length. The epochs returned just hold the steps: with more, it goes on past
+    --max-steps through empty epochs, each validated and saved."""
+    ms = [float(m) for m in re.findall(r"profile/step_ms=([0-9.]+(?:e[+-]?[0-9]+)?)", log)]
+    if len(ms) < 2:
+        raise ValueError("the probe's log holds fewer than two profile lines (its step 0 and a later "
+                         "one): it stopped before a steady step, or --log-freq exceeds its steps")
+    per_epoch = max((int(t) for t in re.findall(r"^Epoch \d+ .*?\d+/(\d+)\s+\[", log, re.M)), default=0)
+    if per_epoch < 1:
+        raise ValueError("the probe's log shows no epoch progress bar (`Epoch N ... i/n [`)")
+    first_s, step_s = ms[0] / 1000, ms[-1] / 1000
+    steps = int(margin * (seconds - first_s) / step_s)
+    if steps < 1:
+        raise ValueError(f"its first step took {first_s:.0f} s: no step fits {seconds:g} s")
+    return {"steps": steps, "epochs": -(-steps // per_epoch), "steps_per_epoch": per_epoch,
+            "first_step_s": first_s, "step_ms": ms[-1]}
 
 
 def speculators_drafter(cfg: dict, *, vocab_size: int) -> DrafterConfig:
@@ -274,6 +296,9 @@ def main() -> None:
     c.add_argument("--out", required=True, help="the export directory to write")
     c.add_argument("--draft-head", action="store_true",
                    help="draft from its draft vocabulary only (as trained); default: the target's whole lm_head")
+    p = sub.add_parser("plan", help="its steps and epochs in SECONDS of training, from a probe run's log")
+    p.add_argument("--log", required=True, help="the probe's output (stdout and stderr of speculators train)")
+    p.add_argument("--seconds", type=float, required=True, help="the seconds its training may take")
     k = sub.add_parser("check-layout", help="load an export in speculators' layout with speculators itself")
     k.add_argument("--export", required=True, help="written by python -m train.export --layout speculators")
     k.add_argument("--verifier", required=True, help="the target as an HF directory")
@@ -283,6 +308,8 @@ def main() -> None:
             print(json.dumps(write_peer_rows(a.store, a.out, limit=a.limit)))
         elif a.do == "hidden":
             print(json.dumps(write_peer_hidden(a.store, a.data, prepared_order(a.data), procs=a.procs)))
+        elif a.do == "plan":
+            print(json.dumps(probe_plan(Path(a.log).read_text(errors="replace").replace("\r", "\n"), a.seconds)))
         elif a.do == "check-layout":
             print(json.dumps(check_speculators_load(a.export, a.verifier)))
         else:

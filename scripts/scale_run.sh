@@ -132,7 +132,9 @@ peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_ben
   # when its output is there, so the stage spans calls. PEER_FRACTION of the 100K file (default 0.2: its
   # bf16 hidden-state files, ~6.9 KB a token, ~40 GB, fit the disk beside the image), PEER_STORE (the subset's
   # store, default /dev/shm/peers.zarr), PEER_KIND (dspark or dflash), PEER_TLIM (seconds it trains, default
-  # 300), PEER_STEPS (its cosine; default: what a probe of PEER_PROBE steps, default 120, says fits PEER_TLIM), PEER_STOP (data:
+  # 300, its compilation included, as ours' --time-limit), PEER_STEPS and PEER_EPOCHS (its cosine and the
+  # epochs that hold it; default: what a probe of PEER_PROBE steps, default 120, says fits PEER_TLIM:
+  # `bench peers plan`), PEER_ARGS (more of its train options, e.g. --max-anchors 2048), PEER_STOP (data:
   # end after its files; probe: after the probe; train: end after its training and conversion), PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH
   # (scripts/peer_wheels.sh). Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
   P=$W/peers; PS=${PEER_STORE:-/dev/shm/peers.zarr}; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
@@ -160,27 +162,24 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
   ptrain=(train --speculator-type "$kind" --verifier-name-or-path "$P/hf" --data-path "$P/d" --num-layers 5
     --block-size 8 --target-layer-ids 2 9 15 21 28 --mask-token-id 16 --full-attention-indices 0 1 2 3 4
     --no-sample-from-anchor --draft-vocab-size 12288 --lr 1.2e-3 --scheduler-type cosine --total-seq-len 16384
-    --train-data-ratio 0.98 --log-freq 100 --epochs 50 --loss-implementation "${PEER_LOSS:-eager}")
-  steps=${PEER_STEPS:-}
-  if [ -z "$steps" ] && [ ! -d "$P/ck" ]; then  # its steps/s from tqdm's rate over a 120-step probe
-    timeout 400 "${spec[@]}" "${ptrain[@]}" --max-steps "${PEER_PROBE:-120}" --checkpoint-freq 50 --save-path "$P/probe" > "$P/probe.log" 2>&1
-    rate=$(tr '\r' '\n' < "$P/probe.log" | grep -E '^Epoch' | grep -oE '[0-9.]+(it/s|s/it)' | tail -n 1)
-    if [ -z "$rate" ]; then  # it never reached a step: its own error is the log's tail
-      tail -c 20000 "$P/probe.log" > "${OUT:-/tmp/out}/peer_probe.log" 2>/dev/null
-      echo "peers: the probe printed no step rate; its log's tail: $P/probe.log" >&2; exit 1
-    fi
-    steps=$(python3 -c 'import sys; r = sys.argv[1]; v = float(r[:-4]); print(int((v if r.endswith("it/s") else 1 / v) * float(sys.argv[2]) * 0.95))' "$rate" "${PEER_TLIM:-300}") || exit 1
-    echo "probe: $rate -> $steps steps in ${PEER_TLIM:-300} s"; rm -rf "$P/probe"
-    tr '\r' '\n' < "$P/probe.log" | grep -E '^Epoch' | tail -n 3 > "${OUT:-/tmp/out}/peer_probe_tail.txt" 2>/dev/null
+    --train-data-ratio 0.98 --log-freq 100 --loss-implementation "${PEER_LOSS:-eager}" ${PEER_ARGS:-})
+  steps=${PEER_STEPS:-}; epochs=${PEER_EPOCHS:-50}
+  if [ -z "$steps" ] && [ ! -d "$P/ck" ]; then  # its step time and compile time from a 120-step probe
+    timeout 400 "${spec[@]}" "${ptrain[@]}" --max-steps "${PEER_PROBE:-120}" --epochs 1 --checkpoint-freq 1 \
+      --save-path "$P/probe" > "$P/probe.log" 2>&1
+    gzip -c "$P/probe.log" > "${OUT:-/tmp/out}/peer_probe.log.gz"
+    plan=$(python3 -m bench peers plan --log "$P/probe.log" --seconds "${PEER_TLIM:-300}") || exit 1
+    read -r steps epochs < <(python3 -c 'import json, sys; p = json.loads(sys.argv[1]); print(p["steps"], p["epochs"])' "$plan")
+    echo "probe: $plan"; rm -rf "$P/probe"
     [ "${PEER_STOP:-}" = probe ] && exit 0
   fi
   if [ ! -d "$P/ck" ]; then  # a checkpoint every tenth of an epoch: a run the timeout cuts still leaves one
     s=$(date +%s)
-    timeout $(( ${PEER_TLIM:-300} + 150 )) "${spec[@]}" "${ptrain[@]}" --max-steps "$steps" --checkpoint-freq 0.1 \
-      --save-path "$P/ck" > "$P/peer_train.log" 2>&1
+    timeout $(( ${PEER_TLIM:-300} + 150 )) "${spec[@]}" "${ptrain[@]}" --max-steps "$steps" --epochs "$epochs" \
+      --checkpoint-freq 0.1 --save-path "$P/ck" > "$P/peer_train.log" 2>&1
     echo "speculators train exit $? after $(( $(date +%s) - s )) s, $steps steps"
     tr '\r' '\n' < "$P/peer_train.log" | grep -v '^\s*$' | tail -n 4
-    cp "$P/peer_train.log" "${OUT:-/tmp/out}/" 2>/dev/null
+    gzip -c "$P/peer_train.log" > "${OUT:-/tmp/out}/peer_train.log.gz"
   fi
   ck=$(find "$P/ck" -name model.safetensors -printf '%T@ %h\n' | sort -n | tail -n 1 | cut -d' ' -f2)
   [ -d "$P/e" ] || python3 -m bench peers convert --checkpoint "$ck" --store "$PS" --out "$P/e" ${PEER_CONVERT_ARGS:-} > /dev/null || exit 1

@@ -143,3 +143,28 @@ def test_our_export_in_the_speculators_layout_converts_back_to_our_export(peer_s
                         "--layout", "speculators", "--draft-head"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode != 0 and "--draft-head" in p.stderr and "Traceback" not in p.stderr
+
+
+# the lines of a speculators 0.9.0 probe run that plan reads, as its H200 log printed them (rich wraps
+# its key=value lines; tqdm's rewrites of one bar are carriage returns, turned into lines by the reader)
+PROBE_LOG = """\
+                    profile/opt_ms=113.303,
+                    profile/step_ms=8.01e+04,
+                    profile/tokens_per_s=200.791,
+Epoch 0  57% ━━━━━━━━━━━━━━╸            119/209  [ 0:01:28 < 0:00:07 , 14 it/s ]
+                    profile/step_ms=100.375,
+Epoch 0 100% ━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━ 5/5  [ 0:00:43 < 0:00:00 , 70 it/s ]
+"""
+
+
+def test_the_plan_fits_the_steps_after_the_first_into_the_seconds_and_the_epochs_just_hold_them():
+    from bench.peers_bench import probe_plan
+
+    got = probe_plan(PROBE_LOG, 180)
+    steps = int(0.95 * (180 - 80.1) / 0.100375)  # the first step's compile, then steady steps
+    assert got == {"steps": steps, "epochs": 5, "steps_per_epoch": 209, "first_step_s": 80.1, "step_ms": 100.375}
+    assert probe_plan(PROBE_LOG, 180 + 209 * 0.100375 / 0.95)["epochs"] == 6
+    with pytest.raises(ValueError, match="no step fits 60 s"):
+        probe_plan(PROBE_LOG, 60)
+    with pytest.raises(ValueError, match="fewer than two profile lines"):
+        probe_plan(PROBE_LOG.split("Epoch 0  57%")[0], 180)
