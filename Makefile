@@ -33,7 +33,8 @@ LAUNCH  = $(if $(filter-out 1,$(NPROC)),$(PY) -m torch.distributed.run --standal
 
 install: .venv/.installed
 
-test: install  # two workers, a file each at a time (module fixtures such as the served target start once)
+test: lint  # the lint rules first (lines of 100 in the packages), then two workers, a file each at a
+	# time (module fixtures such as the served target start once)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install  # the inner loop: the tests not marked slow (process-level runs, compiles, served targets)

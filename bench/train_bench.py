@@ -23,7 +23,14 @@ import time
 import torch
 
 from bench.common import SHAPES, synthetic_manifest
-from cache_format import Manifest, ShardWriter, StoreReader, create_store, finalize_store, write_frozen
+from cache_format import (
+    Manifest,
+    ShardWriter,
+    StoreReader,
+    create_store,
+    finalize_store,
+    write_frozen,
+)
 from train.config import LOSS_BACKWARDS
 from train.data import BatchDataset, CollateSettings, plan_epoch, to_device
 from train.losses import default_gamma

@@ -1,4 +1,5 @@
-"""`python -m cache_format {inspect,verify,show,plot} STORE ...`: look at a store without writing it."""
+"""`python -m cache_format {inspect,verify,show,plot} STORE ...`: look at a store without writing
+it."""
 
 from __future__ import annotations
 
@@ -37,24 +38,29 @@ def inspect(store: str, as_json: bool) -> None:
     m = info["manifest"]
     click.echo(f"store        {info['path']}  (format {info['format_version']}, "
                f"{'finalized' if info['finalized'] else 'NOT finalized'})")
-    click.echo(f"target       {m['target']['name']}  N={m['target']['num_layers']} H={m['hidden_size']} "
-               f"V={m['target']['vocab_size']}")
-    click.echo(f"layers       {m['layer_ids']}  last_hidden={m['last_hidden']}  dtype={m['dtype']}  "
-               f"compression={m['compression']}")
-    click.echo(f"mask token   {m['mask_token_id']} {m['mask_token'] or '(a vocabulary padding row)'}")
+    click.echo(f"target       {m['target']['name']}  N={m['target']['num_layers']} "
+               f"H={m['hidden_size']} V={m['target']['vocab_size']}")
+    click.echo(f"layers       {m['layer_ids']}  last_hidden={m['last_hidden']}  dtype={m['dtype']} "
+               f" compression={m['compression']}")
+    click.echo(f"mask token   {m['mask_token_id']} "
+               f"{m['mask_token'] or '(a vocabulary padding row)'}")
     kept = (m.get("extract_config") or {}).get("keep_layers")
     if kept:
         click.echo(f"kept layers  {kept}  (their weights, for train --init-layers)")
     prompts = "" if info["num_prompts"] is None else f"  prompts {info['num_prompts']:,}"
     click.echo(f"samples      {info['num_samples']:,}  tokens {info['num_tokens']:,}{prompts}")
-    click.echo(f"bytes/token  {info['bytes_per_token']:,.0f} on disk, {info['logical_bytes_per_token']:,} logical "
-               f"(ratio {info['compression_ratio']:.3f})  disk {info['disk_bytes'] / 2**20:,.1f} MiB")
+    click.echo(f"bytes/token  {info['bytes_per_token']:,.0f} on disk, "
+               f"{info['logical_bytes_per_token']:,} logical (ratio "
+               f"{info['compression_ratio']:.3f})  disk {info['disk_bytes'] / 2**20:,.1f} MiB")
     if info["quant_relative_rms_error"] is not None:
-        click.echo(f"{info['manifest']['dtype']} error relative RMS {info['quant_relative_rms_error']:.4f}")
-    click.echo(f"shards       {info['shards']['complete']} complete, {info['shards']['incomplete']} incomplete (tail)")
+        click.echo(f"{info['manifest']['dtype']} error relative RMS "
+                   f"{info['quant_relative_rms_error']:.4f}")
+    click.echo(f"shards       {info['shards']['complete']} complete, "
+               f"{info['shards']['incomplete']} incomplete (tail)")
     click.echo("bucket  tokens          samples      tokens")
     for b in info["buckets"]:
-        click.echo(f"  {b['bucket']:>2}  {b['lo']:>6}-{b['hi']:<7} {b['num_samples']:>8,} {b['num_tokens']:>11,}")
+        click.echo(f"  {b['bucket']:>2}  {b['lo']:>6}-{b['hi']:<7} {b['num_samples']:>8,} "
+                   f"{b['num_tokens']:>11,}")
 
 
 @cli.command()
@@ -75,10 +81,12 @@ def verify(store: str, as_json: bool) -> None:
             click.echo(f"BAD {Path(store) / b['file']}: {b['reason']}")
         if res["duplicate_sample_ids"]:
             click.echo(f"duplicate sample ids: {res['duplicate_sample_ids'][:20]}")
-        click.echo(f"{'OK' if res['ok'] else 'FAILED'}: {res['num_samples']} samples, {res['num_shards']} shards checked")
+        click.echo(f"{'OK' if res['ok'] else 'FAILED'}: {res['num_samples']} samples, "
+                   f"{res['num_shards']} shards checked")
         if not res.get("finalized", True):
-            click.echo("NOT FINALIZED: stage one is still writing or was stopped; the committed samples were "
-                       "checked, and training needs --follow or a rerun of the extraction to finish it")
+            click.echo("NOT FINALIZED: stage one is still writing or was stopped; the committed "
+                       "samples were checked, and training needs --follow or a rerun of the "
+                       "extraction to finish it")
     sys.exit(0 if res["ok"] else 1)
 
 
@@ -111,12 +119,15 @@ def show(store: str, sample_id: int) -> None:
             cur, cur_m = [], mk
         cur.append(t)
     spans.append((cur_m, cur))
-    text = "".join((f"[[{decode(t) if decode else t}]]" if mk else (decode(t) if decode else str(t)))
+    text = "".join((f"[[{decode(t) if decode else t}]]" if mk
+                    else (decode(t) if decode else str(t)))
                    for mk, t in spans if t)
     lo, hi = r.manifest.bucket_range(s.bucket)
-    click.echo(f"sample {sample_id}: {len(ids)} tokens, {sum(mask)} supervised, bucket {s.bucket} ({lo}-{hi})")
+    click.echo(f"sample {sample_id}: {len(ids)} tokens, {sum(mask)} supervised, bucket {s.bucket} "
+               f"({lo}-{hi})")
     norms = sample_norms(s.hidden, len(r.manifest.layer_ids))
-    click.echo("layer norms  " + "  ".join(f"L{lid}={n:.2f}" for lid, n in zip(r.manifest.layer_ids, norms)))
+    click.echo("layer norms  " + "  ".join(f"L{lid}={n:.2f}"
+                                           for lid, n in zip(r.manifest.layer_ids, norms)))
     if s.last_hidden is not None:
         click.echo(f"last_hidden  norm={s.last_hidden.float().norm(dim=-1).mean():.2f}")
     click.echo("-" * 60)
@@ -145,7 +156,8 @@ def plot(store: str, out: str) -> None:
         lo, hi = r.manifest.bucket_range(b)
         sel = lengths[buckets == b]
         if len(sel):
-            ax.hist(sel, bins=40, range=(0, r.manifest.max_len), alpha=0.7, label=f"bucket {b} ({lo}-{hi}): {len(sel)}")
+            ax.hist(sel, bins=40, range=(0, r.manifest.max_len), alpha=0.7,
+                    label=f"bucket {b} ({lo}-{hi}): {len(sel)}")
     ax.set_xlabel("sample length (tokens)")
     ax.set_ylabel("samples")
     ax.set_title(f"{Path(store).name}: {len(r)} samples, {int(lengths.sum()):,} tokens")

@@ -35,10 +35,12 @@ def inspect_store(path: str | os.PathLike) -> dict[str, Any]:
         sel = buckets == b
         out_buckets.append({"bucket": b, "lo": lo, "hi": hi, "num_samples": int(sel.sum()),
                             "num_tokens": int(lengths[sel].sum())})
-    complete = sum(1 for g in r.index.shards.values() for e in g.values() if e["rows"] == m.rows_per_shard)
+    complete = sum(1 for g in r.index.shards.values() for e in g.values()
+                   if e["rows"] == m.rows_per_shard)
     incomplete = sum(len(g) for g in r.index.shards.values()) - complete
     if sizes is None:
-        data_bytes, disk_bytes = sum(_disk_bytes(Path(r.root) / key) for key in r.index.groups), _disk_bytes(Path(r.root))
+        data_bytes = sum(_disk_bytes(Path(r.root) / key) for key in r.index.groups)
+        disk_bytes = _disk_bytes(Path(r.root))
     else:
         groups = set(r.index.groups)
         data_bytes = sum(n for k, n in sizes.items() if "/".join(k.split("/")[:2]) in groups)
@@ -83,7 +85,8 @@ def verify_store(path: str | os.PathLike) -> dict[str, Any]:
     except CacheFormatError as e:
         if not bad_files:
             raise
-        return {"ok": False, "bad_files": bad_files, "num_samples": 0, "num_shards": 0, "duplicate_sample_ids": [],
+        return {"ok": False, "bad_files": bad_files, "num_samples": 0, "num_shards": 0,
+                "duplicate_sample_ids": [],
                 "bad_shards": [{"shard": "(index)", "reason": str(e)}]}
     idx = r.index
     bad: dict[str, str] = {}

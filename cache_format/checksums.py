@@ -32,10 +32,12 @@ from cache_format.layout import (
 )
 from cache_format.schema import Manifest
 
-__all__ = ["CHECKSUMS_FILE", "CREATION_FILES", "check_checksums", "covered_files", "record_checksums", "sha256_file"]
+__all__ = ["CHECKSUMS_FILE", "CREATION_FILES", "check_checksums", "covered_files",
+           "record_checksums", "sha256_file"]
 
 CHECKSUMS_FILE = "checksums.json"
-CREATION_FILES = (FROZEN_FILE, PROMPTS_FILE, "tokenizer/")  # written by rank 0 when the store is made
+# written by rank 0 when the store is made
+CREATION_FILES = (FROZEN_FILE, PROMPTS_FILE, "tokenizer/")
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -47,7 +49,8 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def _json_sha256(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(obj, sort_keys=True,
+                                     separators=(",", ":")).encode()).hexdigest()
 
 
 def covered_files(root: Path, m: Manifest) -> list[str]:
@@ -62,7 +65,8 @@ def covered_files(root: Path, m: Manifest) -> list[str]:
         parts = rel.split("/")
         if rel in ("zarr.json", CHECKSUMS_FILE) or p.suffix in (".partial", ".tmp"):
             continue
-        if len(parts) > 3 and parts[0].startswith("w") and parts[2] in data_arrays and parts[3] == "c":
+        shard = len(parts) > 3 and parts[0].startswith("w") and parts[3] == "c"
+        if shard and parts[2] in data_arrays:
             continue  # a data shard
         out.append(rel)
     return out
@@ -83,13 +87,15 @@ def record_checksums(root: str | os.PathLike, m: Manifest, *, finalized: bool) -
     return doc
 
 
-def check_checksums(root: str | os.PathLike, *, only: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+def check_checksums(root: str | os.PathLike, *,
+                    only: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """(file, problem) for every listed file that is missing or changed, and for the manifest and
     state; `only`: check just the entries starting with these prefixes (and the manifest)."""
     root = Path(root)
     path = root / CHECKSUMS_FILE
     if not path.is_file():
-        return [(CHECKSUMS_FILE, "missing: the store has no checksums (written at creation and finalize)")]
+        return [(CHECKSUMS_FILE,
+                 "missing: the store has no checksums (written at creation and finalize)")]
     try:
         doc = json.loads(path.read_text())
         files, manifest_sha = dict(doc["files"]), doc["manifest_sha256"]
@@ -102,14 +108,16 @@ def check_checksums(root: str | os.PathLike, *, only: tuple[str, ...] = ()) -> l
         return [("zarr.json", str(e))]
     if _json_sha256(attrs[MANIFEST_KEY]) != manifest_sha:
         bad.append(("zarr.json", "manifest changed since it was written"))
-    if not only and doc.get("state_sha256") and _json_sha256(attrs.get(STATE_KEY, {})) != doc["state_sha256"] \
+    if not only and doc.get("state_sha256") and _json_sha256(attrs.get(STATE_KEY,
+                                                                       {})) != doc["state_sha256"] \
             and attrs.get(STATE_KEY, {}).get("finalized"):
         bad.append(("zarr.json", "finalized state changed since finalize"))
     # a finalized store's list must cover what the store holds: a file on disk it does not name (an
     # emptied or cut list, a file added later) is a problem too, not a silent pass. While a store is
     # written its files appear before they are listed (a follower may look in between).
     try:
-        held = covered_files(root, Manifest.from_dict(attrs[MANIFEST_KEY])) if doc.get("finalized") else []
+        finalized = doc.get("finalized")
+        held = covered_files(root, Manifest.from_dict(attrs[MANIFEST_KEY])) if finalized else []
     except CacheFormatError as e:
         return [*bad, ("zarr.json", str(e))]
     for rel in held:

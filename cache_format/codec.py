@@ -1,10 +1,12 @@
-"""How tensors become stored bytes and back: bf16 bits, fp8 or mxfp4 with scales, compression, checksums.
+"""How tensors become stored bytes and back: bf16 bits, fp8 or mxfp4 with scales, compression,
+checksums.
 
 zarr v3 (3.1 and 3.4) has no bfloat16 dtype, so bf16 is stored as its uint16 bit pattern and viewed
 back without a copy. fp8_e4m3 stores one float32 scale per token per tapped layer (amax / 448), so
 an outlier layer does not crush the others' precision. mxfp4 stores 4-bit values with one
 power-of-two scale byte per 32 values (cache_format.mxfp4): 0.266x the bytes of bf16.
-The quantized dtypes share one shape of storage: "hidden" holds uint8 bits, "hidden_scale" the scales.
+The quantized dtypes share one shape of storage: "hidden" holds uint8 bits, "hidden_scale" the
+scales.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def bits_to_bf16(bits: np.ndarray) -> torch.Tensor:
 
 
 class QuantRows(NamedTuple):
-    """Rows already quantized (on the GPU, by stage one): what ShardWriter.add stores for fp8 or mxfp4."""
+    """Rows already quantized (on the GPU, by stage one): what ShardWriter.add stores for fp8 or
+    mxfp4."""
 
     bits: torch.Tensor  # uint8 [T, K*H] (fp8 bit patterns) or [T, K*H/2] (two mxfp4 values a byte)
     scales: torch.Tensor  # float32 [T, K] (fp8) or uint8 [T, K*H/32] (mxfp4 e8m0)
@@ -63,13 +66,15 @@ class QuantRows(NamedTuple):
 
     @classmethod
     def of(cls, x: torch.Tensor, num_taps: int, dtype: str) -> QuantRows:
-        """x [T, K*H] -> its quantized rows in `dtype` (with the squared error quantization made)."""
+        """x [T, K*H] -> its quantized rows in `dtype` (with the squared error quantization
+        made)."""
         bits, scales, err, ref = quantize(x, num_taps, dtype)
         return cls(bits, scales, float(err.sum()), float(ref.sum()))
 
 
 def scale_layout(dtype: str, num_taps: int, hidden_size: int) -> tuple[int, int, str]:
-    """(bytes of "hidden" per token, values of "hidden_scale" per token, its numpy dtype) of a quantized dtype."""
+    """(bytes of "hidden" per token, values of "hidden_scale" per token, its numpy dtype) of a
+    quantized dtype."""
     if dtype == "fp8_e4m3":
         return num_taps * hidden_size, num_taps, "float32"
     if dtype == "mxfp4":
@@ -77,8 +82,10 @@ def scale_layout(dtype: str, num_taps: int, hidden_size: int) -> tuple[int, int,
     raise ValueError(f"{dtype!r} is not a quantized dtype {QUANTIZED}")
 
 
-def quantize(x: torch.Tensor, num_taps: int, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., K*H] -> (bits, scales, per-token squared error, per-token squared value) in `dtype`."""
+def quantize(x: torch.Tensor, num_taps: int,
+             dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., K*H] -> (bits, scales, per-token squared error, per-token squared value) in
+    `dtype`."""
     if dtype == "fp8_e4m3":
         return fp8_quantize(x, num_taps)
     if dtype == "mxfp4":
@@ -87,20 +94,23 @@ def quantize(x: torch.Tensor, num_taps: int, dtype: str) -> tuple[torch.Tensor, 
 
 
 def dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Stored bits and scales -> float32 [..., K*H] on their device. The scales tell the codec apart:
-    float32 ones are fp8's (per token and layer), uint8 ones mxfp4's e8m0 exponents."""
+    """Stored bits and scales -> float32 [..., K*H] on their device. The scales tell the codec
+    apart: float32 ones are fp8's (per token and layer), uint8 ones mxfp4's e8m0 exponents."""
     if scales.dtype == torch.uint8:
         return mxfp4_dequantize(bits, scales)
     return fp8_dequantize(bits, scales)
 
 
-def fp8_quantize(x: torch.Tensor, num_taps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., K*H] (any float dtype, any device) -> bits, scales, and the error that quantization made.
+def fp8_quantize(x: torch.Tensor,
+                 num_taps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., K*H] (any float dtype, any device) -> bits, scales, and the error that quantization
+    made.
 
-    Returns uint8 bits [..., K*H], float32 scales [..., K], and per token [...] the float64 sums over
-    K*H of the squared quantization error and of the squared value (what inspect reports as the
-    relative RMS error). One float32 copy of x is scaled, rounded and differenced in place: stage one
-    runs this on every batch, and each extra full-width pass costs GPU time the forward waits for.
+    Returns uint8 bits [..., K*H], float32 scales [..., K], and per token [...] the float64 sums
+    over K*H of the squared quantization error and of the squared value (what inspect reports as the
+    relative RMS error). One float32 copy of x is scaled, rounded and differenced in place: stage
+    one runs this on every batch, and each extra full-width pass costs GPU time the forward waits
+    for.
     """
     *lead, width = x.shape
     y = x.to(torch.float32, copy=True).reshape(*lead, num_taps, width // num_taps)  # [..., K, H]
@@ -110,7 +120,8 @@ def fp8_quantize(x: torch.Tensor, num_taps: int) -> tuple[torch.Tensor, torch.Te
     y.div_(scale)
     q = y.to(torch.float8_e4m3fn)  # [..., K, H]
     y.sub_(q.float())  # the error in units of the scale
-    err = torch.linalg.vector_norm(y, dim=-1).double().square() * scale[..., 0].double().square()  # [..., K]
+    # [..., K]
+    err = torch.linalg.vector_norm(y, dim=-1).double().square() * scale[..., 0].double().square()
     return (q.reshape(*lead, width).view(torch.uint8), scale.reshape(*lead, num_taps),
             err.sum(-1), ref.sum(-1))
 
@@ -137,8 +148,10 @@ def compressors_for(compression: str, typesize: int) -> object | None:
     from zarr.codecs import BloscCodec
 
     # zstd level 1 + byte shuffle over 1 MiB blocks: 1.43x on bf16 at ~3 GB/s decode; the
-    # default zstd(0) and blosc's automatic block size reach only ~1.24x (measured on bf16 hidden states).
-    return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=typesize, blocksize=1 << 20)
+    # default zstd(0) and blosc's automatic block size reach only ~1.24x (measured on bf16 hidden
+    # states).
+    return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=typesize,
+                      blocksize=1 << 20)
 
 
 def checksum(arr: np.ndarray) -> int:

@@ -1,4 +1,5 @@
-"""The sample index (sample id -> group, rows, bucket) and finalize, which freezes it into the store.
+"""The sample index (sample id -> group, rows, bucket) and finalize, which freezes it into the
+store.
 
 Before finalize the index is rebuilt from the done-logs (so stage two can follow a running stage
 one); after finalize from the small `offsets`/`sample_ids` arrays, one read per (writer, bucket)
@@ -60,7 +61,8 @@ class SampleIndex:
             return int(self._order[pos])
         raise KeyError(f"sample {sample_id} is not in the store")
 
-    def extend(self, groups: list[str], sid: list[int], grp: list[int], start: list[int], length: list[int]) -> None:
+    def extend(self, groups: list[str], sid: list[int], grp: list[int], start: list[int],
+               length: list[int]) -> None:
         self.groups = groups
         self.sample_ids = np.concatenate([self.sample_ids, np.asarray(sid, np.int64)])
         self.group = np.concatenate([self.group, np.asarray(grp, np.int32)])
@@ -86,7 +88,8 @@ class LogFollower:
         sid, grp, start, length = [], [], [], []
         for log in logs:
             writer = int(log.stem[1:])
-            entries, self._log_pos[writer] = read_commit_log(log, start=self._log_pos.get(writer, 0))
+            pos = self._log_pos.get(writer, 0)
+            entries, self._log_pos[writer] = read_commit_log(log, start=pos)
             for e in entries:
                 key = group_key(writer, e["bucket"])
                 if key not in gid:
@@ -114,7 +117,8 @@ def _open_finalized(root: Path, state: dict[str, Any]) -> SampleIndex:
         start.append(offsets[:-1])
         length.append(np.diff(offsets))
         index.shards[key] = {int(s["shard"]): s for s in g.attrs["shards"]}
-    index.extend(list(state["groups"]), *(np.concatenate(x) if x else [] for x in (sid, grp, start, length)))
+    index.extend(list(state["groups"]),
+                 *(np.concatenate(x) if x else [] for x in (sid, grp, start, length)))
     index.quant_sq = list(state.get("quant_sq", [0.0, 0.0]))
     return index
 
@@ -152,8 +156,9 @@ def finalize_store(path: str | os.PathLike, manifest: Manifest) -> dict[str, Any
             a[:] = data
             crc[name] = checksum(data)
         g.attrs["index_crc32c"] = crc
-        g.attrs["shards"] = [index.shards[key][s] | {"samples": len(index.shards[key][s]["samples"])}
-                             for s in sorted(index.shards[key])]
+        shards = index.shards[key]
+        g.attrs["shards"] = [shards[s] | {"samples": len(shards[s]["samples"])}
+                             for s in sorted(shards)]
     ids, counts = np.unique(index.sample_ids, return_counts=True)
     buckets = index.bucket()
     state = {

@@ -5,7 +5,8 @@
       frozen.safetensors         embed_tokens.weight [V, H], lm_head.weight [V, H], norm.weight [H];
                                  layers.{i}.* of the decoder layers kept (extract --keep-layers)
       commits/w00003.jsonl       done-log of writer 3: one fsync'd JSON line per committed shard
-      w00003/b02/hidden          uint16 (bf16 bits) or uint8 (fp8) [T, K*H], uint8 (mxfp4) [T, K*H/2], sharded on T
+      w00003/b02/hidden          uint16 (bf16 bits) or uint8 (fp8) [T, K*H],
+                                 uint8 (mxfp4) [T, K*H/2]; sharded on T
       w00003/b02/hidden_scale    float32 [T, K] (fp8), uint8 e8m0 [T, K*H/32] (mxfp4); not for bf16
       w00003/b02/last_hidden     uint16 [T, H]             (when stored)
       w00003/b02/input_ids       int32 [T]
@@ -52,7 +53,8 @@ MANIFEST_KEY = "draftcache"
 STATE_KEY = "draftcache_state"
 FROZEN_FILE = "frozen.safetensors"
 KEPT_LAYER_PREFIX = "layers."  # the frozen file's kept decoder layers: layers.{id}.{drafter name}
-PROMPTS_FILE = "prompts.safetensors"  # optional: sample id -> key of its prompt (held-out splits by prompt)
+# optional: sample id -> key of its prompt (held-out splits by prompt)
+PROMPTS_FILE = "prompts.safetensors"
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ def token_arrays(m: Manifest) -> list[TokenArray]:
         out = [TokenArray("hidden", "uint16", k * h)]
     else:
         width, scales, scale_dtype = scale_layout(m.dtype, k, h)
-        out = [TokenArray("hidden", "uint8", width), TokenArray("hidden_scale", scale_dtype, scales)]
+        out = [TokenArray("hidden", "uint8", width),
+               TokenArray("hidden_scale", scale_dtype, scales)]
     if m.last_hidden:
         out.append(TokenArray("last_hidden", "uint16", h))
     out += [TokenArray("input_ids", "int32", 0), TokenArray("loss_mask", "uint8", 0)]
@@ -83,7 +86,8 @@ def group_key(writer: int, bucket: int) -> str:
 
 
 def shard_file(root: str | os.PathLike, key: str, a: TokenArray, shard: int) -> Path:
-    """The file holding shard `shard` of array `a` (2-D arrays are sharded, 1-D are plain chunks)."""
+    """The file holding shard `shard` of array `a` (2-D arrays are sharded, 1-D are plain
+    chunks)."""
     base = Path(root) / key / a.name / "c" / str(shard)
     return base / "0" if a.width else base
 
@@ -140,7 +144,8 @@ def update_root_attrs(root: str | os.PathLike, *, consolidated: bool = False, **
     """Atomically merge `attrs` into the root group's attributes.
 
     Consolidated metadata is dropped (unless `consolidated`): a stale consolidated zarr.json
-    silently hides rows appended after it was written (zarr reads the consolidated copy, not the arrays).
+    silently hides rows appended after it was written (zarr reads the consolidated copy, not the
+    arrays).
     """
     meta = Path(root) / "zarr.json"
     doc = json.loads(meta.read_text())

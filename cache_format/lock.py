@@ -37,8 +37,8 @@ def lock_path(store: str | os.PathLike, rank: int = 0) -> Path:
 
 
 class WriterLock:
-    """One writer at a time: the lock of one rank on a store, a run directory or a regeneration output
-    (see the module doc)."""
+    """One writer at a time: the lock of one rank on a store, a run directory or a regeneration
+    output (see the module doc)."""
 
     def __init__(self, store: str | os.PathLike, rank: int = 0, *, what: str = "store") -> None:
         self.store, self.rank, self.what = str(store), rank, what
@@ -46,7 +46,8 @@ class WriterLock:
         self.fd: int | None = None
 
     def acquire(self, *, wait: bool = False) -> WriterLock:
-        """Take the lock now or raise WriterLockedError naming the holder; `wait`: block until it is free."""
+        """Take the lock now or raise WriterLockedError naming the holder; `wait`: block until it is
+        free."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -54,10 +55,12 @@ class WriterLock:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise WriterLockedError(f"{self.store}: another run is writing this {self.what} ({holder}; lock "
-                                   f"{self.path}); wait for it to end or stop it") from None
+            raise WriterLockedError(f"{self.store}: another run is writing this {self.what} "
+                                    f"({holder}; lock {self.path}); wait for it to end or stop "
+                                    "it") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
+        os.pwrite(fd,
+                  json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "rank": self.rank,
                                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
         self.fd = fd
         return self
@@ -69,7 +72,8 @@ class WriterLock:
             self.fd = None
 
     def __enter__(self) -> WriterLock:
-        return self if self.fd is not None else self.acquire()  # `with lock.acquire(wait=True):` holds it once
+        # `with lock.acquire(wait=True):` holds it once
+        return self if self.fd is not None else self.acquire()
 
     def __exit__(self, *exc) -> None:
         self.release()
@@ -101,6 +105,7 @@ def writer_gone(store: str | os.PathLike) -> str | None:
 def _holder(fd: int) -> str:
     try:
         info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"pid {info['pid']} on host {info['host']}, rank {info['rank']}, since {info['since']}"
+        return (f"pid {info['pid']} on host {info['host']}, rank {info['rank']}, "
+                f"since {info['since']}")
     except (ValueError, KeyError, OSError):
         return "holder unknown"

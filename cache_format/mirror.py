@@ -45,7 +45,8 @@ class Lease:
         self.etag: str | None = None
 
     def _record(self) -> bytes:
-        return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl, "ttl": self.ttl}).encode()
+        return json.dumps({"holder": self.holder, "expires": time.time() + self.ttl,
+                           "ttl": self.ttl}).encode()
 
     def _current(self) -> tuple[dict[str, Any], str] | None:
         try:
@@ -64,31 +65,38 @@ class Lease:
             try:
                 cur = self._current()
                 if cur is None:
-                    self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(), mode="create")["e_tag"]
+                    self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(),
+                                            mode="create")["e_tag"]
                     return self
                 rec, etag = cur
                 if rec.get("expires", 0) < time.time():  # expired: replace exactly that version
-                    self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(), mode={"e_tag": etag})["e_tag"]
+                    self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(),
+                                            mode={"e_tag": etag})["e_tag"]
                     return self
             except (FileExistsError, AlreadyExistsError, PreconditionError):
-                rec = {"holder": "another writer", "expires": time.time()}  # lost a race: look again
+                # lost a race: look again
+                rec = {"holder": "another writer", "expires": time.time()}
             except Exception as e:  # noqa: BLE001
-                raise CacheFormatError(f"{self.url}: cannot take the writing lease ({_brief(e)})") from None
+                raise CacheFormatError(
+                    f"{self.url}: cannot take the writing lease ({_brief(e)})") from None
             if time.time() >= deadline:
                 left = max(0.0, rec.get("expires", 0) - time.time())
-                raise CacheFormatError(f"{self.url}: being written by {rec.get('holder', '?')} (its lease runs "
-                                       f"{left:.0f} s more); one writer per store")
+                raise CacheFormatError(f"{self.url}: being written by {rec.get('holder', '?')} "
+                                       f"(its lease runs {left:.0f} s more); one writer per store")
             time.sleep(min(1.0, max(0.05, deadline - time.time())))
 
     def renew(self) -> None:
         """Extend the lease; a lease another writer took meanwhile is one line."""
         try:
-            self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(), mode={"e_tag": self.etag})["e_tag"]
+            self.etag = obstore.put(self.bucket, LEASE_KEY, self._record(),
+                                    mode={"e_tag": self.etag})["e_tag"]
         except PreconditionError:
-            raise CacheFormatError(f"{self.url}: the writing lease was taken by another writer (this one was "
-                                   f"not renewed for {self.ttl:g} s); stopping") from None
+            raise CacheFormatError(f"{self.url}: the writing lease was taken by another writer "
+                                   f"(this one was not renewed for {self.ttl:g} s); "
+                                   "stopping") from None
         except Exception as e:  # noqa: BLE001
-            raise CacheFormatError(f"{self.url}: cannot renew the writing lease ({_brief(e)})") from None
+            raise CacheFormatError(
+                f"{self.url}: cannot renew the writing lease ({_brief(e)})") from None
 
     def release(self) -> None:
         if self.etag is not None:
@@ -100,9 +108,10 @@ class Lease:
 
 
 def _signature(st: os.stat_result) -> tuple[int, int, int]:
-    """What tells a file's versions apart: size, mtime and inode. The mtime alone does not: the clock
-    that stamps it ticks every few milliseconds, and two flushes of a tail shard within one tick can
-    leave the same size; but every flush is a new file renamed into place, so a new inode."""
+    """What tells a file's versions apart: size, mtime and inode. The mtime alone does not: the
+    clock that stamps it ticks every few milliseconds, and two flushes of a tail shard within one
+    tick can leave the same size; but every flush is a new file renamed into place, so a new
+    inode."""
     return st.st_size, st.st_mtime_ns, st.st_ino
 
 
@@ -119,14 +128,16 @@ def _settled_shards(m: Manifest, logs: dict[str, bytes], *, partly: bool = False
     (ShardWriter._recover) -- evicting it meanwhile raced the writer's own tail flush.
     partly: also the shard each committed end lies in (every shard a reader may need)."""
     arrays, rps = token_arrays(m), m.rows_per_shard
-    return [k for writer, entries in _writer_entries(logs) for bucket, n in committed_rows(entries).items()
+    return [k for writer, entries in _writer_entries(logs)
+            for bucket, n in committed_rows(entries).items()
             for shard in range(-(-n // rps) if partly else n // rps)
             for k in shard_keys(arrays, group_key(writer, bucket), shard)]
 
 
 def _lost(url: str, key: str, why: str) -> CacheFormatError:
-    return CacheFormatError(f"{url}/{key}: committed by commits/{key.split('/')[0]}.jsonl but missing from the "
-                            f"object store{why}; write the store again (extract --overwrite)")
+    return CacheFormatError(f"{url}/{key}: committed by commits/{key.split('/')[0]}.jsonl but "
+                            f"missing from the object store{why}; write the store again (extract "
+                            "--overwrite)")
 
 
 class Mirror:
@@ -141,12 +152,14 @@ class Mirror:
         armed False: pushes do nothing until `arm()` (the stage not yet checked against its run)."""
         self.local, self.url, self.evict = Path(local), url, evict
         self.bucket = bucket or open_bucket(url)
-        self.sent: dict[str, tuple[int, int, int]] = {}  # key -> _signature of the version last uploaded
+        # key -> _signature of the version last uploaded
+        self.sent: dict[str, tuple[int, int, int]] = {}
         self.bytes_sent = 0
         self.armed = armed
 
     def arm(self) -> None:
-        """Let pushes go up (writing_to's mirror waits for this: the stage checked against the run first)."""
+        """Let pushes go up (writing_to's mirror waits for this: the stage checked against the run
+        first)."""
         self.armed = True
 
     def _files(self) -> list[str]:
@@ -199,8 +212,8 @@ class Mirror:
                 del self.sent[key]
 
     def _check_complete(self, logs: dict[str, bytes]) -> None:
-        """Every shard the done-log snapshots commit is on the server (one listing): one still in the
-        stage is sent again, one gone from both is a one-line error, before the root goes up."""
+        """Every shard the done-log snapshots commit is on the server (one listing): one still in
+        the stage is sent again, one gone from both is a one-line error, before the root goes up."""
         there = _listing(self.bucket, self.url)
         for key in _settled_shards(read_manifest(self.local), logs, partly=True):
             if key in there:
@@ -211,13 +224,16 @@ class Mirror:
             self._put(key)
 
     def push(self, *, final: bool = False) -> None:
-        """One pass: the root zarr.json (the first time); done-log snapshots; then the shards and the arrays' metadata (their shapes grow
-        with the rows written), read now, so at least as new as the snapshots; then the snapshots;
-        the rest; the root zarr.json last. final (the last pass of a writing run): first check that the
-        server holds every committed shard (_check_complete)."""
+        """One pass: the root zarr.json (the first time); done-log snapshots; then the shards and
+        the arrays' metadata (their shapes grow with the rows written), read now, so at least as new
+        as the snapshots; then the snapshots; the rest; the root zarr.json last. final (the last
+        pass of a writing run): first check that the server holds every committed shard
+        (_check_complete)."""
         if not self.armed or not (self.local / "zarr.json").exists():
-            return  # not checked or not created yet (a push can come before create_store or its checks)
-        if "zarr.json" not in self.sent:  # the root first, once: what a resume looks for to know a store is there
+            # not checked or not created yet (a push can come before create_store or its checks)
+            return
+        # the root first, once: what a resume looks for to know a store is there
+        if "zarr.json" not in self.sent:
             self._put("zarr.json")
         logs = {}
         for p in sorted((self.local / "commits").glob("*.jsonl")):
@@ -255,38 +271,47 @@ def clear(url: str, bucket=None) -> None:
 
 
 @contextmanager
-def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0, overwrite: bool = False) -> Iterator[Mirror]:
-    """Write a store to `url` through the local directory `local`: take the lease (waiting out a killed
-    writer's), clear the old store with `overwrite` or else download its metadata, done-logs and tail
-    shards (a resume, on this machine or another), then, once the caller arms the mirror (`mirror.arm()`:
-    the stage checked against its run), push every ttl/6 seconds from an I/O thread (no GPU work on it) and once
-    more on the way out, finished or not, so that a resume finds every commit; release the lease. A run
-    refused before it arms pushes nothing: the URL stays as it was.
+def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0,
+               overwrite: bool = False) -> Iterator[Mirror]:
+    """Write a store to `url` through the local directory `local`: take the lease (waiting out a
+    killed writer's), clear the old store with `overwrite` or else download its metadata, done-logs
+    and tail shards (a resume, on this machine or another), then, once the caller arms the mirror
+    (`mirror.arm()`: the stage checked against its run), push every ttl/6 seconds from an I/O thread
+    (no GPU work on it) and once more on the way out, finished or not, so that a resume finds every
+    commit; release the lease. A run refused before it arms pushes nothing: the URL stays as it was.
     Settled shards leave `local` once they are on the server (Mirror's evict)."""
     lease = Lease(url, ttl=ttl).acquire()
     try:
         there = set(_listing(lease.bucket, url)) - {LEASE_KEY}
-        if there and "zarr.json" not in there and not overwrite:  # our root goes up first: not a store of ours
-            raise CacheFormatError(f"{url}: holds {len(there)} objects but no draftcache store; choose an empty "
-                                   "prefix, or --overwrite to delete them")
+        # our root goes up first: not a store of ours
+        if there and "zarr.json" not in there and not overwrite:
+            raise CacheFormatError(f"{url}: holds {len(there)} objects but no draftcache store; "
+                                   "choose an empty prefix, or --overwrite to delete them")
         if overwrite:
             clear(url, lease.bucket)
-        elif there:  # a resume: the metadata, done-logs and unsettled shards (a writer never reads a settled one)
+        # a resume: the metadata, done-logs and unsettled shards (a writer never reads a settled
+        # one)
+        elif there:
             pull(url, local, data=False, bucket=lease.bucket)
-            logs = {f"commits/{p.name}": p.read_bytes() for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
+            logs = {f"commits/{p.name}": p.read_bytes()
+                    for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
             m = read_manifest(Path(local))
             settled = set(_settled_shards(m, logs))
-            # a log the server lacks stays as the stage has it (a rerun on the same machine), its shards too
+            # a log the server lacks stays as the stage has it (a rerun on the same machine), its
+            # shards too
             lost = sorted(k for k in settled - there if not (Path(local) / k).exists())
             if lost:  # its rows are committed, so no writer would write them again
-                raise _lost(url, lost[0], f" ({len(lost)} shard files in all)" if len(lost) > 1 else "")
-            fetch(url, Path(local), sorted(k for k in there if _is_data(k) and k not in settled), lease.bucket)
+                raise _lost(url, lost[0],
+                            f" ({len(lost)} shard files in all)" if len(lost) > 1 else "")
+            fetch(url, Path(local), sorted(k for k in there if _is_data(k) and k not in settled),
+                  lease.bucket)
     except BaseException:
         lease.release()
         raise
-    # nothing goes up before the caller has checked the stage against its run (mirror.arm()): a stage left
-    # by another store's run, refused by those checks, must not reach this URL first
-    mirror, stop, errors = Mirror(local, url, bucket=lease.bucket, evict=True, armed=False), threading.Event(), []
+    # nothing goes up before the caller has checked the stage against its run (mirror.arm()): a
+    # stage left by another store's run, refused by those checks, must not reach this URL first
+    mirror = Mirror(local, url, bucket=lease.bucket, evict=True, armed=False)
+    stop, errors = threading.Event(), []
 
     def loop() -> None:
         while not stop.wait(ttl / 6):

@@ -24,7 +24,8 @@ BLOCK = 32
 E2M1_MAX = 6.0
 # magnitude of each 3-bit code; the fourth bit is the sign
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # a magnitude above midpoint i rounds to code i + 1
+# a magnitude above midpoint i rounds to code i + 1
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def _lut(device: torch.device) -> torch.Tensor:
@@ -33,7 +34,8 @@ def _lut(device: torch.device) -> torch.Tensor:
     return torch.cat([mag, -mag])
 
 
-def mxfp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def mxfp4_quantize(
+        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., W] (W a multiple of 32; any float dtype and device) -> packed uint8 [..., W/2],
     e8m0 scales uint8 [..., W/32], and per row [...] the float64 sums of the squared quantization
     error and of the squared value (inspect's relative RMS error).
@@ -57,9 +59,12 @@ def mxfp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     y.div_(scale)  # a power of two: exact
     neg = y < 0  # [..., nb, 32] bool
     y.abs_()
-    mag = torch.bucketize(y, torch.tensor(_MIDPOINTS, device=y.device), out_int32=True)  # codes 0..7
-    y.sub_(_lut(y.device)[mag])  # |value| - |its code's value| (codes 0..7: the positive half): the error
-    err = (torch.linalg.vector_norm(y, dim=-1).double() * scale[..., 0].double()).square().sum(-1)  # [...]
+    # codes 0..7
+    mag = torch.bucketize(y, torch.tensor(_MIDPOINTS, device=y.device), out_int32=True)
+    # |value| - |its code's value| (codes 0..7: the positive half): the error
+    y.sub_(_lut(y.device)[mag])
+    # [...]
+    err = (torch.linalg.vector_norm(y, dim=-1).double() * scale[..., 0].double()).square().sum(-1)
     code = mag.to(torch.uint8)
     code |= (neg & (code > 0)).to(torch.uint8) << 3  # the sign bit; no negative zero
     code = code.reshape(*lead, width // 2, 2)
@@ -70,7 +75,10 @@ def mxfp4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """(packed uint8 [..., W/2], e8m0 uint8 [..., W/32]) -> float32 [..., W], on their device."""
     *lead, half = packed.shape
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, half * 2).long()  # [..., W]
+    # [..., W]
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, half * 2).long()
     vals = _lut(packed.device)[codes].reshape(*lead, half * 2 // BLOCK, BLOCK)
-    scale = torch.ldexp(torch.ones(scales.shape, device=packed.device), scales.to(torch.int32) - 127)  # [..., W/32]
+    # [..., W/32]
+    scale = torch.ldexp(torch.ones(scales.shape, device=packed.device),
+                        scales.to(torch.int32) - 127)
     return (vals * scale[..., None]).reshape(*lead, half * 2)

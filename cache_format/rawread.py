@@ -63,7 +63,8 @@ class RawShardReader:
             raw = os.pread(fd, 16 * n + 4, size - 16 * n - 4)
             crc = google_crc32c.Checksum()
             crc.update(raw[:-4])
-            if len(raw) != 16 * n + 4 or int.from_bytes(crc.digest(), "big") != int.from_bytes(raw[-4:], "little"):
+            stored = int.from_bytes(raw[-4:], "little")
+            if len(raw) != 16 * n + 4 or int.from_bytes(crc.digest(), "big") != stored:
                 raise CacheFormatError(f"{path}: shard index is corrupt")
             idx = self._index[path] = np.frombuffer(raw[:-4], dtype="<u8").reshape(n, 2)
         return idx
@@ -95,8 +96,10 @@ class RawShardReader:
                         segs.append((-1, 0, (q - p) * row_bytes))  # never written: fill value 0
                     else:
                         if nbytes != self.chunk * row_bytes:
-                            raise CacheFormatError(f"{path}: chunk {j} has {nbytes} bytes; is the store compressed?")
-                        segs.append((fd, int(off) + (local - j * self.chunk) * row_bytes, (q - p) * row_bytes))
+                            raise CacheFormatError(f"{path}: chunk {j} has {nbytes} bytes; is the "
+                                                   "store compressed?")
+                        segs.append((fd, int(off) + (local - j * self.chunk) * row_bytes,
+                                     (q - p) * row_bytes))
                     p = q
             pos = hi
         # coalesce: chunks that lie back to back in one file become one read
@@ -104,7 +107,7 @@ class RawShardReader:
         i = 0
         while i < len(segs):
             fd, off, n = segs[i]
-            while i + 1 < len(segs) and fd >= 0 and segs[i + 1][0] == fd and segs[i + 1][1] == off + n:
+            while i + 1 < len(segs) and fd >= 0 and segs[i + 1][:2] == (fd, off + n):
                 n += segs[i + 1][2]
                 i += 1
             if fd < 0:

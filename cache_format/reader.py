@@ -41,10 +41,15 @@ from cache_format.schema import Manifest
 __all__ = ["Sample", "StoreReader"]
 
 
+def _verify_hint(root) -> str:
+    """What an error about damaged files tells the user to run."""
+    return f"python -m cache_format verify {root} names the damaged files"
+
+
 @dataclass
 class Sample:
-    """One stored sample. hidden [L, K*H] bf16, or the stored uint8 bits of an fp8 or mxfp4 store when
-    read with quant_bits; last_hidden [L, H] bf16 or None."""
+    """One stored sample. hidden [L, K*H] bf16, or the stored uint8 bits of an fp8 or mxfp4 store
+    when read with quant_bits; last_hidden [L, H] bf16 or None."""
 
     sample_id: int
     input_ids: torch.Tensor  # [L] int64
@@ -52,7 +57,8 @@ class Sample:
     hidden: torch.Tensor
     last_hidden: torch.Tensor | None
     bucket: int
-    hidden_scale: torch.Tensor | None = None  # [L, K] float32 (fp8), [L, K*H/32] uint8 (mxfp4): with bits only
+    # [L, K] float32 (fp8), [L, K*H/32] uint8 (mxfp4): with bits only
+    hidden_scale: torch.Tensor | None = None
 
 
 class StoreReader:
@@ -78,16 +84,19 @@ class StoreReader:
             self.index, self._follower = load_index(self.root)
         except CacheFormatError:
             raise
-        except Exception as e:  # noqa: BLE001 - damaged zarr metadata fails inside zarr in many ways
+        # damaged zarr metadata fails inside zarr in many ways
+        except Exception as e:
             raise CacheFormatError(f"{self.root}: the index cannot be read ({brief(e)}); "
-                                   f"python -m cache_format verify {self.root} names the damaged files") from None
+                                   f"python -m cache_format verify {self.root} names the damaged "
+                                   "files") from None
         self._tokens = token_arrays(self.manifest)
         self._arrays = [a.name for a in self._tokens]
         self._handles: dict[str, dict[str, zarr.Array]] = {}
         self._pid = os.getpid()
         m = self.manifest
         # Uncompressed stores are read with direct preads; compressed ones through zarr's codecs.
-        self._raw = RawShardReader(self.root, m.rows_per_shard, m.rows_per_chunk) if m.compression == "none" else None
+        self._raw = RawShardReader(self.root, m.rows_per_shard,
+                                   m.rows_per_chunk) if m.compression == "none" else None
 
     # ---------------------------------------------------------------- state
     @property
@@ -98,7 +107,8 @@ class StoreReader:
         """Pick up shards committed since opening; returns the number of new samples."""
         if self._follower is None:
             return 0
-        if self.url:  # the writer's newer done-logs (each log after its shards: never ahead of them)
+        # the writer's newer done-logs (each log after its shards: never ahead of them)
+        if self.url:
             pull(self.url, self.root, data=False)
         added = self._follower.poll()
         self.index = self._follower.index
@@ -121,14 +131,15 @@ class StoreReader:
         return self.index.bucket()
 
     def home_shards(self) -> np.ndarray:
-        """int64 [len(self)]: the shard each sample starts in (group index x 2^32 + shard), in the order
-        of `sample_ids`: what training splits among nodes (a sample that runs into the next shard
-        also reads that one)."""
-        return self.index.group.astype(np.int64) * 2**32 + self.index.start // self.manifest.rows_per_shard
+        """int64 [len(self)]: the shard each sample starts in (group index x 2^32 + shard), in the
+        order of `sample_ids`: what training splits among nodes (a sample that runs into the next
+        shard also reads that one)."""
+        shard = self.index.start // self.manifest.rows_per_shard
+        return self.index.group.astype(np.int64) * 2**32 + shard
 
     def prompt_keys(self) -> np.ndarray | None:
-        """int64 [len(self)]: the prompt key of each sample (order of `sample_ids`), or None when the
-        store has no prompts file. A sample missing from the file gets a key of its own."""
+        """int64 [len(self)]: the prompt key of each sample (order of `sample_ids`), or None when
+        the store has no prompts file. A sample missing from the file gets a key of its own."""
         path = self.root / PROMPTS_FILE
         if not path.exists():
             return None
@@ -140,7 +151,8 @@ class StoreReader:
         except Exception as e:  # a torn or foreign file: say which, not where safetensors failed
             raise CacheFormatError(f"{path}: unreadable prompts file ({e})") from None
         mine = self.sample_ids
-        own = -1 - mine  # a key of its own for an unlisted sample: negative, apart from the file's (>= 0)
+        # a key of its own for an unlisted sample: negative, apart from the file's (>= 0)
+        own = -1 - mine
         if len(ids) == 0:
             return own
         order = np.argsort(ids, kind="stable")
@@ -152,10 +164,12 @@ class StoreReader:
         return self._frozen(lambda name: not name.startswith(KEPT_LAYER_PREFIX), tied=True)
 
     def kept_layers(self) -> dict[str, torch.Tensor]:
-        """The decoder layers extraction kept (extract --keep-layers) as layers.{id}.*, and the final
-        norm.weight: what train --init-layers starts a drafter from. Read apart from frozen(), so a
-        run reads each tensor of the file once and a run without --init-layers none of these."""
-        return self._frozen(lambda name: name.startswith(KEPT_LAYER_PREFIX) or name == "norm.weight", tied=False)
+        """The decoder layers extraction kept (extract --keep-layers) as layers.{id}.*, and the
+        final norm.weight: what train --init-layers starts a drafter from. Read apart from frozen(),
+        so a run reads each tensor of the file once and a run without --init-layers none of
+        these."""
+        kept = lambda name: name.startswith(KEPT_LAYER_PREFIX) or name == "norm.weight"
+        return self._frozen(kept, tied=False)
 
     def _frozen(self, wanted, *, tied: bool) -> dict[str, torch.Tensor]:
         """The tensors of the frozen file whose names `wanted` takes (only those are read); with
@@ -164,13 +178,15 @@ class StoreReader:
 
         path = self.root / FROZEN_FILE
         if not path.exists():
-            raise CacheFormatError(f"{self.root}: store has no {FROZEN_FILE} (embedding, lm_head, norm)")
+            raise CacheFormatError(f"{self.root}: store has no {FROZEN_FILE} (embedding, lm_head, "
+                                   "norm)")
         try:
             with safe_open(str(path), framework="pt") as f:
                 parts = {name: f.get_tensor(name) for name in f.keys() if wanted(name)}
             if tied:
                 parts.setdefault("lm_head.weight", parts["embed_tokens.weight"])  # tied embeddings
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types on a damaged file
+        # safetensors raises its own error types on a damaged file
+        except Exception as e:
             raise CacheFormatError(f"{path}: damaged ({brief(e)}); "
                                    "extract the store again") from None
         return parts
@@ -184,38 +200,46 @@ class StoreReader:
             try:
                 g = zarr.open_group(str(self.root / key), mode="r", use_consolidated=False)
                 self._handles[key] = {name: g[name] for name in self._arrays}
-            except Exception as e:  # noqa: BLE001 - damaged zarr metadata fails inside zarr in many ways
+            # damaged zarr metadata fails inside zarr in many ways
+            except Exception as e:
                 raise CacheFormatError(f"{self.root / key}: cannot be opened ({brief(e)}); "
-                                       f"python -m cache_format verify {self.root} names the damaged files") from None
+                                       f"python -m cache_format verify {self.root} names the "
+                                       "damaged files") from None
         return self._handles[key]
 
     def group_tokens(self, key: str) -> dict[str, np.ndarray]:
         """input_ids [N] and loss_mask [N] of a whole length group (index rows point into them by
         start and length): the token arrays only, for passes over the data that need no states."""
-        if self.url:  # a remote store's token arrays are fetched first (zarr reads a missing chunk as zeros)
+        # a remote store's token arrays are fetched first (zarr reads a missing chunk as zeros)
+        if self.url:
             rows = np.flatnonzero(self.index.group == self.index.groups.index(key)).tolist()
             ids = [a for a in self._tokens if a.name in ("input_ids", "loss_mask")]
-            fetch(self.url, self.root, [k for g, shard in self._shards(rows) for k in shard_keys(ids, g, shard)])
+            fetch(self.url, self.root,
+                  [k for g, shard in self._shards(rows) for k in shard_keys(ids, g, shard)])
         arrays = self._group(key)
         try:
             return {name: arrays[name][...] for name in ("input_ids", "loss_mask")}
         except Exception as e:  # noqa: BLE001 - a damaged chunk fails inside zarr's codecs
             raise CacheFormatError(f"{self.root / key}: token arrays cannot be read ({brief(e)}); "
-                                   f"python -m cache_format verify {self.root} names the damaged files") from None
+                                   f"python -m cache_format verify {self.root} names the damaged "
+                                   "files") from None
 
     def get(self, sample_id: int) -> Sample:
         return self.get_batch([sample_id])[0]
 
-    def get_batch(self, sample_ids: list[int] | np.ndarray, *, quant_bits: bool = False) -> list[Sample]:
+    def get_batch(self, sample_ids: list[int] | np.ndarray, *,
+                  quant_bits: bool = False) -> list[Sample]:
         """Read several samples; every array read of the batch is issued concurrently.
 
-        quant_bits leaves an fp8 or mxfp4 store's hidden states quantized (uint8 bits and hidden_scale),
-        for a caller that dequantizes on its GPU: on a CPU, fp8 -> float32 is most of a training
-        worker's time.
+        quant_bits leaves an fp8 or mxfp4 store's hidden states quantized (uint8 bits and
+        hidden_scale), for a caller that dequantizes on its GPU: on a CPU, fp8 -> float32 is most of
+        a training worker's time.
         """
         rows = [self.index.locate(int(s)) for s in sample_ids]
         if self.url:
-            fetch(self.url, self.root, [k for g, shard in self._shards(rows) for k in shard_keys(self._tokens, g, shard)])
+            fetch(self.url, self.root,
+                  [k for g, shard in self._shards(rows)
+                   for k in shard_keys(self._tokens, g, shard)])
         if self.verify_shards:
             self._verify_rows(rows)
         if self._raw is not None:
@@ -234,7 +258,8 @@ class StoreReader:
         out, k, buckets = [], len(self._arrays), self.index.bucket()
         for i, r in enumerate(rows):
             got = dict(zip(self._arrays, flat[i * k:(i + 1) * k]))
-            out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r]), quant_bits))
+            out.append(self._decode(int(self.index.sample_ids[r]), got, int(buckets[r]),
+                                    quant_bits))
         return out
 
     def prefetch(self, sample_ids, *, parallel: int = 8) -> int:
@@ -244,13 +269,16 @@ class StoreReader:
         if not self.url:
             return 0
         rows = [self.index.locate(int(s)) for s in sample_ids]
-        return fetch(self.url, self.root, [k for g, shard in self._shards(rows) for k in shard_keys(self._tokens, g, shard)],
+        return fetch(self.url, self.root,
+                     [k for g, shard in self._shards(rows)
+                      for k in shard_keys(self._tokens, g, shard)],
                      parallel=parallel)
 
     def verify_samples(self, sample_ids) -> None:
-        """Check now every shard the samples lie in against its commit log (fetching those a store read
-        by URL lacks): CacheFormatError naming the first damaged shard. A small store (a validation
-        store) is checked whole this way before training starts, not at its first read."""
+        """Check now every shard the samples lie in against its commit log (fetching those a store
+        read by URL lacks): CacheFormatError naming the first damaged shard. A small store (a
+        validation store) is checked whole this way before training starts, not at its first
+        read."""
         self.prefetch(sample_ids)
         self._verify_rows([self.index.locate(int(s)) for s in sample_ids])
 
@@ -265,13 +293,15 @@ class StoreReader:
         return list(out)
 
     def _marker(self, key: str, shard: int) -> Path | None:
-        """The file that says this shard, as its latest commit describes it, was checked in this run."""
+        """The file that says this shard, as its latest commit describes it, was checked in this
+        run."""
         if self.verified_dir is None:
             return None
         e = self.index.shards.get(key, {}).get(shard)
         if e is None:
             return None
-        tag = hashlib.sha256(json.dumps([e["rows"], e["crc32c"], e.get("file_crc32c")], sort_keys=True).encode())
+        tag = hashlib.sha256(json.dumps([e["rows"], e["crc32c"], e.get("file_crc32c")],
+                                        sort_keys=True).encode())
         return self.verified_dir / f"{key.replace('/', '-')}-{shard}-{tag.hexdigest()[:16]}"
 
     def _verify_rows(self, rows: list[int]) -> None:
@@ -284,7 +314,8 @@ class StoreReader:
                 time.sleep(0.2)  # a tail shard swapped for its next flush mid-read: read it again
                 if self._raw is not None:
                     self._raw.forget()  # the cached shard index may be the previous file's
-                if self.url:  # the local copy holds an older tail shard than the commit names: fetch again
+                # the local copy holds an older tail shard than the commit names: fetch again
+                if self.url:
                     keys = shard_keys(self._tokens, key, shard)
                     for k in keys:
                         (self.root / k).unlink(missing_ok=True)
@@ -309,9 +340,11 @@ class StoreReader:
             out = np.empty((n, a.width) if a.width else (n,), dtype=a.dtype)
             self._raw.read(key, a, start, start + n, out)
             got[a.name] = out
-        return self._decode(int(self.index.sample_ids[r]), got, int(self.index.bucket()[r]), quant_bits)
+        return self._decode(int(self.index.sample_ids[r]), got,
+                            int(self.index.bucket()[r]), quant_bits)
 
-    def _decode(self, sample_id: int, got: dict[str, np.ndarray], bucket: int, quant_bits: bool) -> Sample:
+    def _decode(self, sample_id: int, got: dict[str, np.ndarray], bucket: int,
+                quant_bits: bool) -> Sample:
         scale = None
         if self.manifest.dtype == "bfloat16":
             hidden = bits_to_bf16(got["hidden"])
@@ -346,19 +379,21 @@ def check_shard(reader: StoreReader, key: str, shard: int, *, finite: bool = Tru
     if entry is None:
         return "not in any commit log"
     lo = shard * m.rows_per_shard
-    # While stage one still writes, a tail shard's file is rewritten at every flush with more rows: the
-    # entry this reader holds may be older than the file, so only its committed rows are checked
+    # While stage one still writes, a tail shard's file is rewritten at every flush with more rows:
+    # the entry this reader holds may be older than the file, so only its committed rows are checked
     # (they are the same in every rewrite); `verify` checks the finalized file whole.
     growing = entry["rows"] < m.rows_per_shard and not reader.finalized
     try:
         for a in reader._tokens:
             want = entry.get("file_crc32c", {}).get(a.name)
-            if want is not None and not growing and file_checksum(shard_file(reader.root, key, a, shard)) != want:
+            if want is not None and not growing and file_checksum(shard_file(reader.root, key, a,
+                                                                             shard)) != want:
                 return f"{a.name} file checksum mismatch"
         for name, data in _committed_rows(reader, key, lo, entry["rows"]):
             if checksum(data) != entry["crc32c"][name]:
                 return f"{name} checksum mismatch"
-            if finite and name in ("hidden", "last_hidden", "hidden_scale") and not finite_rows(data, name, m.dtype):
+            if finite and name in ("hidden", "last_hidden",
+                                   "hidden_scale") and not finite_rows(data, name, m.dtype):
                 return f"{name} has NaN or Inf"
     except CacheFormatError:
         raise
@@ -379,7 +414,8 @@ def _committed_rows(reader: StoreReader, key: str, lo: int, rows: int):
         out = np.empty((rows, a.width) if a.width else (rows,), dtype=a.dtype)
         try:
             reader._raw.read(key, a, lo, lo + rows, out)
-        except CacheFormatError as e:  # a damaged shard index: this shard's fault, named by check_shard
+        # a damaged shard index: this shard's fault, named by check_shard
+        except CacheFormatError as e:
             raise ValueError(str(e)) from None
         yield a.name, out
 
@@ -393,5 +429,6 @@ def finite_rows(data: np.ndarray, name: str, dtype: str) -> bool:
     if name == "hidden" and dtype == "mxfp4":
         return True  # e2m1 has no inf or NaN codes
     if name == "hidden" and dtype == "fp8_e4m3":
-        return not bool(((data & 0x7F) == 0x7F).any())  # e4m3's only non-finite codes are S.1111.111
+        # e4m3's only non-finite codes are S.1111.111
+        return not bool(((data & 0x7F) == 0x7F).any())
     return not bool(((data & 0x7F80) == 0x7F80).any())  # a bf16 exponent of all ones: Inf or NaN

@@ -40,7 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-try:  # a dependency of the package; optional for a checkout run from PYTHONPATH with local stores only
+# a dependency of the package; optional for a checkout run from PYTHONPATH with local stores only
+try:
     import obstore
     from obstore.exceptions import AlreadyExistsError, NotFoundError, PreconditionError
     from obstore.store import from_url
@@ -54,11 +55,13 @@ except ImportError:  # pragma: no cover - the GPU image runs without it
 
 from cache_format.errors import CacheFormatError
 
-__all__ = ["LEASE_KEY", "cache_root", "default_local", "fetch", "is_url", "lease_gone", "local_copy", "object_sizes",
+__all__ = ["LEASE_KEY", "cache_root", "default_local", "fetch", "is_url", "lease_gone",
+           "local_copy", "object_sizes",
            "open_bucket", "pull"]
 
 LEASE_KEY = "LEASE.json"
-_ALWAYS_FRESH = ("zarr.json", "checksums.json")  # rewritten in place by finalize; re-read at every open
+# rewritten in place by finalize; re-read at every open
+_ALWAYS_FRESH = ("zarr.json", "checksums.json")
 
 
 def is_url(path: str | os.PathLike) -> bool:
@@ -80,9 +83,11 @@ def _forked_after_use() -> bool:
 def open_bucket(url: str):
     """The obstore store of `url` (bucket and prefix), configured from the environment."""
     if from_url is None:
-        raise CacheFormatError(f"{url}: stores on object storage need the obstore package (pip install obstore)")
+        raise CacheFormatError(f"{url}: stores on object storage need the obstore package (pip "
+                               "install obstore)")
     if _forked_after_use():
-        raise CacheFormatError(f"{url}: obstore cannot run in a process forked after its parent used it")
+        raise CacheFormatError(f"{url}: obstore cannot run in a process forked after its parent "
+                               "used it")
     _obstore_pid[:] = _obstore_pid or [os.getpid()]
     try:
         return from_url(url)
@@ -93,7 +98,8 @@ def open_bucket(url: str):
 def cache_root(root: str | os.PathLike = "") -> Path:
     """Where local copies of remote stores live: `root` if given, else $DRAFTCACHE_STORE_CACHE, else
     ~/.cache/draftcache/stores."""
-    return Path(root or os.environ.get("DRAFTCACHE_STORE_CACHE") or Path.home() / ".cache" / "draftcache" / "stores")
+    return Path(root or os.environ.get("DRAFTCACHE_STORE_CACHE")
+                or Path.home() / ".cache" / "draftcache" / "stores")
 
 
 def default_local(url: str, root: str | os.PathLike = "") -> Path:
@@ -106,7 +112,8 @@ def _brief(e: Exception) -> str:
     them (an S3 XML error body, e.g. "NoSuchBucket: The specified bucket does not exist"), else the
     first 200 characters of the client's text."""
     text = str(e)
-    code, why = re.search(r"<Code>([^<]+)</Code>", text), re.search(r"<Message>([^<]+)</Message>", text)
+    code = re.search(r"<Code>([^<]+)</Code>", text)
+    why = re.search(r"<Message>([^<]+)</Message>", text)
     if code:
         status = re.search(r"status code: (\d{3}[^:<]*)", text)
         return f"{code.group(1)}: {why.group(1) if why else ''}".rstrip(": ") + \
@@ -120,7 +127,8 @@ _DATA_ARRAYS = {"hidden", "hidden_scale", "last_hidden", "input_ids", "loss_mask
 
 
 def _is_data(key: str) -> bool:
-    """Shard data (a token array's zarr chunk key .../ARRAY/c/...): fetched on use, never in a metadata pull."""
+    """Shard data (a token array's zarr chunk key .../ARRAY/c/...): fetched on use, never in a
+    metadata pull."""
     parts = key.split("/")
     return "c" in parts and parts.index("c") > 0 and parts[parts.index("c") - 1] in _DATA_ARRAYS
 
@@ -190,18 +198,21 @@ def fetch(url: str, local: Path, keys: list[str], bucket=None, *, parallel: int 
     if _forked_after_use():
         import subprocess
 
-        done = subprocess.run([sys.executable, "-m", "cache_format.remote", "fetch", url, str(local), *todo],
-                              capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "cache_format.remote", "fetch", url, str(local), *todo]
+        done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             lines = (done.stderr or "").strip().splitlines()
-            raise CacheFormatError(lines[-1].removeprefix("error: ") if lines else f"{url}: fetch failed")
+            raise CacheFormatError(lines[-1].removeprefix("error: ") if lines
+                                   else f"{url}: fetch failed")
         return len(todo)
     bucket = bucket or open_bucket(url)
     if parallel > 1 and len(todo) > 1:
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="draftcache-fetch") as pool:
-            list(pool.map(lambda k: _download(bucket, url, k, local / k), todo))  # re-raises the first error
+        with ThreadPoolExecutor(max_workers=parallel,
+                                thread_name_prefix="draftcache-fetch") as pool:
+            # re-raises the first error
+            list(pool.map(lambda k: _download(bucket, url, k, local / k), todo))
     else:
         for k in todo:
             _download(bucket, url, k, local / k)
@@ -209,7 +220,8 @@ def fetch(url: str, local: Path, keys: list[str], bucket=None, *, parallel: int 
 
 
 def main(argv: list[str]) -> int:
-    """`python -m cache_format.remote fetch URL LOCAL KEY...`: fetch's download in a process of its own."""
+    """`python -m cache_format.remote fetch URL LOCAL KEY...`: fetch's download in a process of its
+    own."""
     if len(argv) < 3 or argv[0] != "fetch":
         print("usage: python -m cache_format.remote fetch URL LOCAL KEY...", file=sys.stderr)
         return 2
@@ -232,7 +244,9 @@ def lease_gone(url: str) -> str | None:
     except Exception:  # noqa: BLE001 - unreadable now: not known to be gone
         return None
     late = time.time() - float(rec.get("expires", 0))
-    return f"its writer's lease ({rec.get('holder', '?')}) expired {late:.0f} s ago" if late > 0 else None
+    if late <= 0:
+        return None
+    return f"its writer's lease ({rec.get('holder', '?')}) expired {late:.0f} s ago"
 
 
 if __name__ == "__main__":

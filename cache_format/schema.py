@@ -35,8 +35,9 @@ __all__ = [
     "parse_layer_ids",
 ]
 
-# 2: checksums.json covers every file the shard checksums do not; 3: the mask token; 4: the mxfp4 dtype,
-# the quantization error recorded under dtype-neutral names (quant_sq_err/quant_sq_ref, quant_relative_rms_error)
+# 2: checksums.json covers every file the shard checksums do not; 3: the mask token; 4: the mxfp4
+# dtype, the quantization error recorded under dtype-neutral names (quant_sq_err/quant_sq_ref,
+# quant_relative_rms_error)
 FORMAT_VERSION = 4
 DTYPES = ("bfloat16", "fp8_e4m3", "mxfp4")
 COMPRESSIONS = ("none", "blosc-zstd1")
@@ -61,13 +62,16 @@ def check_field_types(obj: Any) -> None:
         elif hint is str:
             ok = isinstance(value, str)
         elif origin is tuple:
-            ok = isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            ok = isinstance(value,
+                            tuple) and all(isinstance(v, int) and not isinstance(v, bool)
+                                           for v in value)
         elif origin is dict or hint is dict:
             ok = isinstance(value, dict)
         else:
             continue
         if not ok:
-            raise TypeError(f"{type(obj).__name__}.{f.name} = {value!r} is a {type(value).__name__}, not {hint}")
+            raise TypeError(f"{type(obj).__name__}.{f.name} = {value!r} is a "
+                            f"{type(value).__name__}, not {hint}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +119,8 @@ class Manifest:
     tokenizer_sha256: str
     """sha256 over the tokenizer vocabulary and chat template."""
     layer_ids: tuple[int, ...]
-    """Tapped layers, in stored order (see LAYER_CONVENTION); never the last layer (last_layer_refusal says why)."""
+    """Tapped layers, in stored order (see LAYER_CONVENTION); never the last layer
+    (last_layer_refusal says why)."""
     mask_token_id: int
     """Embedding row a drafter's block uses for tokens not yet known: one the target never emits
     (target.loader.choose_mask_token), because servers drop drafted tokens equal to it."""
@@ -156,16 +161,18 @@ class Manifest:
             )
         check_layer_ids(self.layer_ids, self.target.num_layers)
         if not 0 <= self.mask_token_id < self.target.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (0..{self.target.vocab_size - 1})")
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                             f"(0..{self.target.vocab_size - 1})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.dtype == "mxfp4" and self.target.hidden_size % 32:
-            raise ValueError(f"mxfp4 needs a hidden size that is a multiple of 32 (its scale blocks never cross "
-                             f"a tapped layer), got {self.target.hidden_size}")
+            raise ValueError(f"mxfp4 needs a hidden size that is a multiple of 32 (its scale "
+                             f"blocks never cross a tapped layer), got {self.target.hidden_size}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}")
         if list(self.bucket_bounds) != sorted(set(self.bucket_bounds)) or not self.bucket_bounds:
-            raise ValueError(f"bucket_bounds must be strictly increasing, got {list(self.bucket_bounds)}")
+            raise ValueError("bucket_bounds must be strictly increasing, got "
+                             f"{list(self.bucket_bounds)}")
         if self.rows_per_chunk <= 0 or self.rows_per_shard % self.rows_per_chunk:
             raise ValueError("rows_per_shard must be a positive multiple of rows_per_chunk")
         if self.max_len <= 0:
@@ -188,13 +195,16 @@ class Manifest:
     def bucket_range(self, bucket: int) -> tuple[int, int]:
         """Inclusive (lo, hi) token lengths of a bucket; the last bucket is capped by max_len."""
         lo = 1 if bucket == 0 else self.bucket_bounds[bucket - 1] + 1
-        hi = self.bucket_bounds[bucket] if bucket < len(self.bucket_bounds) else max(self.max_len, lo)
+        last = bucket == len(self.bucket_bounds)
+        hi = max(self.max_len, lo) if last else self.bucket_bounds[bucket]
         return lo, hi
 
     def bytes_per_token(self) -> int:
         """Uncompressed bytes one token costs in the store."""
-        hidden = {"bfloat16": 2 * self.row_width, "fp8_e4m3": self.row_width, "mxfp4": self.row_width // 2}[self.dtype]
-        scales = {"bfloat16": 0, "fp8_e4m3": 4 * len(self.layer_ids), "mxfp4": self.row_width // 32}[self.dtype]
+        hidden = {"bfloat16": 2 * self.row_width, "fp8_e4m3": self.row_width,
+                  "mxfp4": self.row_width // 2}[self.dtype]
+        scales = {"bfloat16": 0, "fp8_e4m3": 4 * len(self.layer_ids),
+                  "mxfp4": self.row_width // 32}[self.dtype]
         last = 2 * self.target.hidden_size if self.last_hidden else 0
         return hidden + scales + last + 4 + 1  # + input_ids int32 + loss_mask uint8
 
@@ -203,7 +213,8 @@ class Manifest:
         lengths and layout; not extract_config, so a store moved to another path or extracted
         with other writer settings keeps its identity. Training runs refuse to resume on another."""
         d = {k: v for k, v in self.to_dict().items() if k != "extract_config"}
-        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(d, sort_keys=True,
+                                         separators=(",", ":")).encode()).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -218,7 +229,8 @@ class Manifest:
         version = d["format_version"]
         if version != FORMAT_VERSION:
             raise UnknownFormatVersionError(
-                f"store format_version {version} is not supported (this draftcache reads version {FORMAT_VERSION})"
+                f"store format_version {version} is not supported (this draftcache reads version "
+                f"{FORMAT_VERSION})"
             )
         try:
             d = dict(d)
@@ -228,8 +240,8 @@ class Manifest:
             d["bucket_bounds"] = tuple(d["bucket_bounds"])
             return cls(**d)
         except (TypeError, KeyError, ValueError) as e:  # a damaged, unknown or missing field
-            raise CacheFormatError(f"manifest is damaged or does not match format version {version}: "
-                                   f"{type(e).__name__}: {e}") from None
+            raise CacheFormatError(f"manifest is damaged or does not match format version "
+                                   f"{version}: {type(e).__name__}: {e}") from None
 
 
 def default_rows_per_shard(hidden_size: int, num_taps: int) -> int:
@@ -244,8 +256,9 @@ def check_layer_ids(layer_ids, num_layers: int, target: str = "") -> None:
         raise ValueError("layer_ids must not be empty")
     for lid in layer_ids:
         if not 0 <= lid < num_layers:
-            raise ValueError(f"layer id {lid} out of range: target {target + ' ' if target else ''}has {num_layers} "
-                             f"layers (0..{num_layers - 1})")
+            raise ValueError(f"layer id {lid} out of range: target "
+                             f"{target + ' ' if target else ''}has {num_layers} layers "
+                             f"(0..{num_layers - 1})")
         if lid == num_layers - 1:
             raise ValueError(last_layer_refusal(num_layers))
     if len(set(layer_ids)) != len(layer_ids):
@@ -254,9 +267,10 @@ def check_layer_ids(layer_ids, num_layers: int, target: str = "") -> None:
 
 def last_layer_refusal(num_layers: int) -> str:
     """Why the last decoder layer cannot be tapped (one line)."""
-    return (f"layer id {num_layers - 1} is the target's last layer: HF (hidden_states[-1]), SGLang and the DFlash "
-            f"reference take its output after the final norm, a tap would store it before; tap ids up to "
-            f"{num_layers - 2} (--last-hidden stores the post-norm final state)")
+    return (f"layer id {num_layers - 1} is the target's last layer: HF (hidden_states[-1]), SGLang "
+            "and the DFlash reference take its output after the final norm, a tap would store it "
+            f"before; tap ids up to {num_layers - 2} (--last-hidden stores the post-norm final "
+            "state)")
 
 
 def parse_layer_ids(text: str) -> tuple[int, ...]:
@@ -300,7 +314,8 @@ def manifest_differences(old: Manifest, new: Manifest) -> list[str]:
         if va != vb:
             out.append(f"{key}: store has {va!r}, now {vb!r}")
     ea, eb = a.get("extract_config") or {}, b.get("extract_config") or {}
-    for key in _RECORDED_OPTIONS:  # recorded by the run that made the store: a resume may not change them
+    # recorded by the run that made the store: a resume may not change them
+    for key in _RECORDED_OPTIONS:
         if key in ea and key in eb and ea[key] != eb[key]:
             out.append(f"extract_config.{key}: store has {ea[key]!r}, now {eb[key]!r}")
     return out

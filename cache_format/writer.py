@@ -9,8 +9,9 @@ Commit protocol (one writer process per GPU rank, each with its own writer id):
    samples that ended in that shard, and a crc32c of every array's shard rows. A sample that is
    not in a done-log does not exist for readers.
    A full shard is written and committed by the writer's one I/O thread while `add` fills the
-   next buffer (the write into tmpfs is most of a shard's cost: docs/benchmarks/2026-11-29_store_h200.md); at
-   most one shard is in flight, and commits stay in order. An I/O error surfaces when the next
+   next buffer (the write into tmpfs is most of a shard's cost:
+   docs/benchmarks/2026-11-29_store_h200.md); at most one shard is in flight, and commits stay in
+   order. An I/O error surfaces when the next
    shard is handed over, or at `flush`/`close`. No GPU work runs on that thread.
 4. `flush()` (and `close()`) also write the incomplete tail shard; a later write rewrites it whole
    with more rows, and its newer log entry supersedes the old checksum.
@@ -36,7 +37,15 @@ import torch
 import zarr
 
 from cache_format.checksums import record_checksums
-from cache_format.codec import QUANTIZED, QuantRows, bf16_to_bits, checksum, compressors_for, file_checksum, scale_layout
+from cache_format.codec import (
+    QUANTIZED,
+    QuantRows,
+    bf16_to_bits,
+    checksum,
+    compressors_for,
+    file_checksum,
+    scale_layout,
+)
 from cache_format.errors import CacheFormatError, ManifestMismatchError
 from cache_format.layout import (
     FROZEN_FILE,
@@ -89,7 +98,8 @@ def create_store(path: str | os.PathLike, manifest: Manifest, *, overwrite: bool
 
 
 def write_frozen(path: str | os.PathLike, tensors: dict[str, torch.Tensor]) -> None:
-    """Save the target's frozen parts (embedding, lm_head, final norm) into the store, atomically."""
+    """Save the target's frozen parts (embedding, lm_head, final norm) into the store,
+    atomically."""
     from safetensors.torch import save
 
     data = save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
@@ -119,7 +129,8 @@ def _os_errors(where: Path) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        hint = "; free space and rerun the same command to resume" if e.errno == errno.ENOSPC else ""
+        full = e.errno == errno.ENOSPC
+        hint = "; free space and rerun the same command to resume" if full else ""
         raise CacheFormatError(f"{where}: {e.strerror or e} while writing{hint}") from None
 
 
@@ -130,7 +141,8 @@ class _Bucket:
     base: int
     fill: int
     buf: dict[str, np.ndarray]
-    pending: list[tuple[int, int, int]] = field(default_factory=list)  # (sample id, length, end row)
+    # (sample id, length, end row)
+    pending: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class ShardWriter:
@@ -147,7 +159,8 @@ class ShardWriter:
         self._zarr: dict[int, dict[str, zarr.Array]] = {}
         self.quant_err = [0.0, 0.0]  # sum of squared error, sum of squares (quantized dtypes only)
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"draftcache-w{writer_id}")
-        self._in_flight: Future | None = None  # the shard the I/O thread is writing; its result is its buffer
+        # the shard the I/O thread is writing; its result is its buffer
+        self._in_flight: Future | None = None
         self._spare: list[dict[str, np.ndarray]] = []  # shard buffers whose write has finished
         with _os_errors(self.root):
             self.committed: set[int] = self._recover()
@@ -163,15 +176,18 @@ class ShardWriter:
             base = rows - rows % self._rows
             bucket = self._new_bucket(base)
             # the done-log entry that committed these rows of the shard: what they must read back as
-            entry = next((e for e in reversed(log) if e["bucket"] == b and e["shard"] == base // self._rows), None)
+            n = base // self._rows
+            entry = next((e for e in reversed(log) if e["bucket"] == b and e["shard"] == n), None)
             for a in self._arrays:
                 z = arrays[a.name]
-                # the entry's rows may run past the committed end (a sample continuing in the next shard)
-                if (entry is not None and rows > base and z.shape[0] >= base + entry["rows"]  # not cut by an earlier resume
+                # the entry's rows may run past the committed end (a sample continuing in the next
+                # shard); z.shape checks they were not cut by an earlier resume
+                if (entry is not None and rows > base and z.shape[0] >= base + entry["rows"]
                         and checksum(z[base:base + entry["rows"]]) != entry["crc32c"][a.name]):
-                    raise CacheFormatError(f"{self.root}: writer {self.writer_id} bucket {b} shard {base // self._rows}: "
-                                           f"the committed rows of {a.name} do not read back as committed (a stale or "
-                                           "damaged tail shard); the store cannot be resumed as it is")
+                    raise CacheFormatError(f"{self.root}: writer {self.writer_id} bucket {b} shard "
+                                           f"{base // self._rows}: the committed rows of {a.name} "
+                                           "do not read back as committed (a stale or damaged tail "
+                                           "shard); the store cannot be resumed as it is")
                 z.resize((rows, *z.shape[1:]))  # forget uncommitted rows
                 bucket.buf[a.name][: rows - base] = z[base:rows]
             bucket.fill = rows - base
@@ -201,12 +217,14 @@ class ShardWriter:
             g = zarr.open_group(str(self.root / key), mode="a", use_consolidated=False)
             for a in self._arrays:
                 if a.width:
-                    shape, chunks, shards = (0, a.width), (m.rows_per_chunk, a.width), (self._rows, a.width)
+                    shape, chunks = (0, a.width), (m.rows_per_chunk, a.width)
+                    shards = (self._rows, a.width)
                 else:  # 1-D arrays are small: one chunk per shard, no inner chunking
                     shape, chunks, shards = (0,), (self._rows,), None
                 out[a.name] = g.create_array(
                     a.name, shape=shape, dtype=a.dtype, chunks=chunks, shards=shards, fill_value=0,
-                    compressors=compressors_for(m.compression, np.dtype(a.dtype).itemsize) if a.width else None,
+                    compressors=(compressors_for(m.compression, np.dtype(a.dtype).itemsize)
+                                 if a.width else None),
                     attributes={"logical_dtype": _logical_dtype(a, m)},
                     # an all-zero chunk (a loss mask, padding) must still exist on disk: its
                     # absence would be indistinguishable from a lost file
@@ -227,24 +245,30 @@ class ShardWriter:
         n = int(input_ids.shape[0])
         if isinstance(hidden, QuantRows):
             if m.dtype == "bfloat16":
-                raise CacheFormatError(f"sample {sample_id}: quantized rows given to a {m.dtype} store")
+                raise CacheFormatError(f"sample {sample_id}: quantized rows given to a {m.dtype} "
+                                       "store")
             width, scales, _ = scale_layout(m.dtype, len(m.layer_ids), m.target.hidden_size)
             if hidden.bits.shape != (n, width) or hidden.scales.shape != (n, scales):
-                raise CacheFormatError(f"sample {sample_id}: {m.dtype} rows {tuple(hidden.bits.shape)} / scales "
-                                       f"{tuple(hidden.scales.shape)} do not fit {n} tokens x {m.row_width} values")
+                raise CacheFormatError(f"sample {sample_id}: {m.dtype} rows "
+                                       f"{tuple(hidden.bits.shape)} / scales "
+                                       f"{tuple(hidden.scales.shape)} do not fit {n} tokens x "
+                                       f"{m.row_width} values")
         elif hidden.shape != (n, m.row_width):
             raise CacheFormatError(f"sample {sample_id}: hidden has shape {tuple(hidden.shape)}, "
                                    f"expected {(n, m.row_width)}")
         if m.last_hidden != (last_hidden is not None):
-            raise CacheFormatError(f"sample {sample_id}: last_hidden is {'required' if m.last_hidden else 'not stored'}")
+            raise CacheFormatError(f"sample {sample_id}: last_hidden is "
+                                   f"{'required' if m.last_hidden else 'not stored'}")
         if sample_id in self.committed:
-            raise CacheFormatError(f"sample {sample_id}: already committed by writer {self.writer_id}")
+            raise CacheFormatError(f"sample {sample_id}: already committed by writer "
+                                   f"{self.writer_id}")
         rows = {"input_ids": input_ids.to(torch.int32).cpu().numpy(),
                 "loss_mask": loss_mask.to(torch.uint8).cpu().numpy()}
         if m.dtype == "bfloat16":
             rows["hidden"] = bf16_to_bits(hidden.cpu())
         else:
-            q = hidden if isinstance(hidden, QuantRows) else QuantRows.of(hidden.cpu(), len(m.layer_ids), m.dtype)
+            q = hidden if isinstance(hidden, QuantRows) else QuantRows.of(hidden.cpu(),
+                                                                          len(m.layer_ids), m.dtype)
             rows["hidden"], rows["hidden_scale"] = q.bits.cpu().numpy(), q.scales.cpu().numpy()
             self.quant_err[0] += q.sq_err
             self.quant_err[1] += q.sq_ref
@@ -286,9 +310,11 @@ class ShardWriter:
         if f is not None:
             self._spare.append(f.result())
 
-    def _write(self, b: int, base: int, fill: int, buf: dict[str, np.ndarray], done: list[tuple[int, int]],
+    def _write(self, b: int, base: int, fill: int, buf: dict[str, np.ndarray],
+               done: list[tuple[int, int]],
                quant_err: list[float]) -> dict[str, np.ndarray]:
-        """Write rows [base, base+fill) of bucket `b` as one whole shard, then commit `done`; returns `buf`."""
+        """Write rows [base, base+fill) of bucket `b` as one whole shard, then commit `done`;
+        returns `buf`."""
         end = base + fill
         with _os_errors(self.root), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -300,16 +326,19 @@ class ShardWriter:
                 if z.shape[0] != end:
                     z.resize((end, *z.shape[1:]))
                 if raw:  # a whole uncompressed shard: its zarr v3 bytes are the rows + an index
-                    write_raw_shard(shard_file(self.root, group_key(self.writer_id, b), a, base // self._rows),
-                                    data, self.manifest.rows_per_chunk if a.width else 0)
+                    path = shard_file(self.root, group_key(self.writer_id, b), a,
+                                      base // self._rows)
+                    write_raw_shard(path, data, self.manifest.rows_per_chunk if a.width else 0)
                 else:
                     z[base:end] = data
                 crc[a.name] = checksum(data)
-            entry = {"bucket": b, "shard": base // self._rows, "rows": fill, "crc32c": crc, "samples": done}
+            entry = {"bucket": b, "shard": base // self._rows, "rows": fill, "crc32c": crc,
+                     "samples": done}
             if fill < self._rows:
                 # A tail shard's edge chunk is padded past the array's end; the padding is not
                 # covered by the row checksums, so checksum the stored files too (small, rare).
-                entry["file_crc32c"] = {a.name: file_checksum(shard_file(self.root, group_key(self.writer_id, b), a,
+                group = group_key(self.writer_id, b)
+                entry["file_crc32c"] = {a.name: file_checksum(shard_file(self.root, group, a,
                                                                           entry["shard"]))
                                         for a in self._arrays}
             if self.manifest.dtype in QUANTIZED:  # error added since the previous entry

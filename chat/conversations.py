@@ -15,7 +15,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["BadRecord", "TURNS", "history", "jsonl_lines", "jsonl_records", "prompt_key", "read_conversations", "segments"]
+__all__ = ["BadRecord", "TURNS", "history", "jsonl_lines", "jsonl_records", "prompt_key",
+           "read_conversations", "segments"]
 
 TURNS = ("all", "first")
 
@@ -28,7 +29,8 @@ class BadRecord(ValueError):
     """A record that cannot be used; the message names file and line."""
 
 
-def _parse(line: str, where: str, require_assistant: bool = True, allow_empty: bool = False) -> list[dict[str, str]]:
+def _parse(line: str, where: str, require_assistant: bool = True,
+           allow_empty: bool = False) -> list[dict[str, str]]:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
@@ -44,8 +46,8 @@ def _parse(line: str, where: str, require_assistant: bool = True, allow_empty: b
     else:
         raise BadRecord(f"{where}: record has neither 'messages' nor 'conversations'")
     if not isinstance(msgs, list):
-        raise BadRecord(f"{where}: '{'messages' if key_role == 'role' else 'conversations'}' must be a list of "
-                        f"messages, got {type(msgs).__name__}")
+        raise BadRecord(f"{where}: '{'messages' if key_role == 'role' else 'conversations'}' must "
+                        f"be a list of messages, got {type(msgs).__name__}")
     if not msgs:
         raise BadRecord(f"{where}: empty conversation")
     out = []
@@ -59,10 +61,12 @@ def _parse(line: str, where: str, require_assistant: bool = True, allow_empty: b
             raise BadRecord(f"{where}: message {i} content is not a string")
         try:
             m[key_text].encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON can spell a lone UTF-16 surrogate; no tokenizer takes it
-            raise BadRecord(f"{where}: message {i} holds a lone surrogate {e.object[e.start]!r} at character "
-                            f"{e.start} (not valid Unicode)") from None
-        if role == "user" and not m[key_text].strip() and not allow_empty:  # answered, it trains on a reply to nothing
+        # JSON can spell a lone UTF-16 surrogate; no tokenizer takes it
+        except UnicodeEncodeError as e:
+            raise BadRecord(f"{where}: message {i} holds a lone surrogate {e.object[e.start]!r} at "
+                            f"character {e.start} (not valid Unicode)") from None
+        # answered, it trains on a reply to nothing
+        if role == "user" and not m[key_text].strip() and not allow_empty:
             raise BadRecord(f"{where}: message {i} is an empty user turn")
         out.append({"role": role, "content": m[key_text]})
     if require_assistant and not any(m["role"] == "assistant" for m in out):
@@ -71,8 +75,9 @@ def _parse(line: str, where: str, require_assistant: bool = True, allow_empty: b
 
 
 def jsonl_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
-    """(0-based line number, raw bytes) of every non-blank line of a JSONL file; a name ending in .gz
-    is read through gzip. A damaged .gz raises `BadRecord` naming the file, not zlib's traceback."""
+    """(0-based line number, raw bytes) of every non-blank line of a JSONL file; a name ending in
+    .gz is read through gzip. A damaged .gz raises `BadRecord` naming the file, not zlib's
+    traceback."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rb") as f:
         try:
@@ -86,7 +91,8 @@ def jsonl_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
 def _text(raw: bytes, path: str | Path, lineno: int) -> str:
     try:
         return raw.decode("utf-8-sig" if lineno == 0 else "utf-8")  # a BOM may open the file
-    except UnicodeDecodeError as e:  # a line that is not UTF-8 is one bad record, named, not a crash
+    # a line that is not UTF-8 is one bad record, named, not a crash
+    except UnicodeDecodeError as e:
         raise BadRecord(f"{path}:{lineno + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
                         f"{e.start} of the line)") from None
 
@@ -98,16 +104,19 @@ def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict]]:
         try:
             rec = json.loads(_text(raw, path, lineno))
         except json.JSONDecodeError as e:
-            raise BadRecord(f"{path}:{lineno + 1}: malformed JSON ({e.msg} at column {e.colno})") from None
+            raise BadRecord(
+                f"{path}:{lineno + 1}: malformed JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(rec, dict):
             raise BadRecord(f"{path}:{lineno + 1}: record is not a JSON object")
         yield lineno, rec
 
 
-def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0, bad: list[str] | None = None,
+def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0,
+                       bad: list[str] | None = None,
                        require_assistant: bool = True,
                        allow_empty: bool = False) -> Iterator[tuple[int, list[dict[str, str]]]]:
-    """(sample id = 0-based line number, messages) for every usable line of a JSONL (or .jsonl.gz) file.
+    """(sample id = 0-based line number, messages) for every usable line of a JSONL (or .jsonl.gz)
+    file.
 
     A bad line raises `BadRecord` naming file and line, unless `skip_bad` (then its message is
     appended to `bad`). Blank lines are skipped silently. An empty user turn is bad unless
@@ -117,7 +126,8 @@ def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0, bad:
         if limit and lineno >= limit:
             return
         try:
-            yield lineno, _parse(_text(raw, path, lineno), f"{path}:{lineno + 1}", require_assistant, allow_empty)
+            yield lineno, _parse(_text(raw, path, lineno), f"{path}:{lineno + 1}",
+                                 require_assistant, allow_empty)
         except BadRecord as e:
             if not skip_bad:
                 raise
@@ -127,7 +137,8 @@ def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0, bad:
 
 def segments(messages: list[dict], turns: str = "all") -> list[list[dict]]:
     """The messages of each turn, assistant messages dropped: segment t ends with user message t
-    and holds what came before it since the previous user message (turns="first": the first only)."""
+    and holds what came before it since the previous user message (turns="first": the first
+    only)."""
     if turns not in TURNS:
         raise ValueError(f"turns must be one of {TURNS}, got {turns!r}")
     out, cur = [], []
@@ -142,7 +153,8 @@ def segments(messages: list[dict], turns: str = "all") -> list[list[dict]]:
 
 
 def history(segs: list[list[dict]], answers: list[str]) -> list[dict]:
-    """The messages turn len(answers) answers: every earlier segment followed by its answer, then its own."""
+    """The messages turn len(answers) answers: every earlier segment followed by its answer, then
+    its own."""
     out: list[dict] = []
     for seg, ans in zip(segs, answers):
         out += seg + [{"role": "assistant", "content": ans}]

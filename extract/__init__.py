@@ -1,1 +1,2 @@
-"""Stage one: run a target LLM over chat data and write tapped hidden states into a draftcache store."""
+"""Stage one: run a target LLM over chat data and write tapped hidden states into a draftcache
+store."""

@@ -1,4 +1,5 @@
-"""ExtractConfig: every knob of stage one; the CLI maps onto it 1:1 and it is saved in the manifest."""
+"""ExtractConfig: every knob of stage one; the CLI maps onto it 1:1 and it is saved in the
+manifest."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ __all__ = ["ExtractConfig"]
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
     store: str
-    """Output store directory (a zarr v3 group); /dev/shm or NVMe for speed. Or a URL (s3://bucket/prefix):
-    written in --stage-dir and mirrored there as shards commit (all ranks on one node)."""
+    """Output store directory (a zarr v3 group); /dev/shm or NVMe for speed. Or a URL
+    (s3://bucket/prefix): written in --stage-dir and mirrored there as shards commit (all ranks on
+    one node)."""
     stage_dir: str = ""
     """Local directory a store on object storage is written in before upload (default: its cache
     directory under $DRAFTCACHE_STORE_CACHE or ~/.cache/draftcache/stores)."""
@@ -26,15 +28,16 @@ class ExtractConfig:
     target: str = ""
     """HF causal-LM directory or .gguf file; empty = the packaged SmolLM2-135M-Instruct GGUF."""
     data: str = ""
-    """JSONL of conversations (.jsonl.gz read through gzip); empty = the packaged prompts with target-generated
-    responses."""
+    """JSONL of conversations (.jsonl.gz read through gzip); empty = the packaged prompts with
+    target-generated responses."""
     layers: tuple[int, ...] = ()
     """Tapped layer ids (id i = output of decoder layer i); empty = the DFlash rule for num_taps."""
     num_taps: int = 5
     """K for the default DFlash rule round(1 + i*(N-4)/(K-1))."""
     keep_layers: tuple[int, ...] = ()
     """Decoder layers whose weights are saved in the store beside the embedding and lm_head, so a
-    drafter's layers can start from them (train --init-layers); ~3.5M weights a layer for SmolLM2."""
+    drafter's layers can start from them (train --init-layers); ~3.5M weights a layer for
+    SmolLM2."""
     last_hidden: bool = True
     """Also store the final hidden state after the final norm (for soft-label distillation)."""
     max_len: int = 2048
@@ -44,8 +47,8 @@ class ExtractConfig:
     min_supervised: int = 32
     """Skip samples with fewer supervised (assistant) tokens; 2 x block_size for block 16."""
     dtype: str = "bfloat16"
-    """Stored dtype: bfloat16, fp8_e4m3 (0.5x bf16's bytes) or mxfp4 (4-bit values with a scale per 32:
-    0.27x)."""
+    """Stored dtype: bfloat16, fp8_e4m3 (0.5x bf16's bytes) or mxfp4 (4-bit values with a scale per
+    32: 0.27x)."""
     compression: str = "none"
     """none or blosc-zstd1."""
     token_budget: int = 16384
@@ -68,8 +71,9 @@ class ExtractConfig:
     skip_bad: bool = False
     """Count and skip malformed JSON lines instead of stopping at the first."""
     chat_template_kwargs: str = ""
-    """A JSON object of chat-template options to render with, e.g. '{"enable_thinking": false}'; must be
-    those the data was regenerated with (its DATA.summary.json); recorded in the manifest's extract_config."""
+    """A JSON object of chat-template options to render with, e.g. '{"enable_thinking": false}';
+    must be those the data was regenerated with (its DATA.summary.json); recorded in the manifest's
+    extract_config."""
     overwrite: bool = False
     """Delete an existing store with different settings and start over."""
     limit: int = 0
@@ -98,8 +102,8 @@ class ExtractConfig:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.min_supervised < 2:
             raise ValueError(f"min_supervised must be >= 2, got {self.min_supervised}")
-        # here, not at the top: the store package loads torch, and the command reads this file before
-        # it notes signals (a Ctrl-C inside torch's import aborts the interpreter)
+        # here, not at the top: the store package loads torch, and the command reads this file
+        # before it notes signals (a Ctrl-C inside torch's import aborts the interpreter)
         from cache_format.schema import DTYPES
 
         if self.dtype not in DTYPES:
@@ -107,7 +111,8 @@ class ExtractConfig:
         if self.compression not in ("none", "blosc-zstd1"):
             raise ValueError(f"compression must be none or blosc-zstd1, got {self.compression!r}")
         if self.token_budget < self.max_len:
-            raise ValueError(f"token_budget ({self.token_budget}) must be >= max_len ({self.max_len})")
+            raise ValueError(f"token_budget ({self.token_budget}) must be >= max_len "
+                             f"({self.max_len})")
         if self.writer not in ("thread", "process"):
             raise ValueError(f"writer must be thread or process, got {self.writer!r}")
         if self.writers < 1:

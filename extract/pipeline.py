@@ -44,8 +44,8 @@ def _pad(batch: Sequence[Rendered], device: torch.device) -> tuple[torch.Tensor,
 
 
 def _finite_rows(hid: torch.Tensor, last: torch.Tensor | None, att: torch.Tensor) -> torch.Tensor:
-    """bool [B]: the samples whose every real token's states (hid [B, T, K*H], last [B, T, H] or None)
-    are finite; padding (att [B, T] == 0) does not count."""
+    """bool [B]: the samples whose every real token's states (hid [B, T, K*H], last [B, T, H] or
+    None) are finite; padding (att [B, T] == 0) does not count."""
     bad = ~torch.isfinite(hid).all(-1)  # [B, T]
     if last is not None:
         bad |= ~torch.isfinite(last).all(-1)
@@ -53,20 +53,22 @@ def _finite_rows(hid: torch.Tensor, last: torch.Tensor | None, att: torch.Tensor
 
 
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
-                writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *, last_hidden: bool,
+                writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, *,
+                last_hidden: bool,
                 quant: str = "", on_batch: Callable[[int], None] = lambda n: None,
                 stop_at_last_tap: bool = True, quant_beside: bool = True,
                 stop: Callable[[], bool] = lambda: False) -> Counter:
-    """Extract every batch; returns counts of refused samples. Closes the writers. `stop()` true before
-    a batch ends the loop there (preemption): the batches already handed to the writers are written.
+    """Extract every batch; returns counts of refused samples. Closes the writers. `stop()` true
+    before a batch ends the loop there (preemption): the batches already handed to the writers are
+    written.
 
     quant ("fp8_e4m3" or "mxfp4"; "" for bf16) quantizes the taps on the device (ring field "hidden"
     holds the bits, "hidden_scale" the scales), which halves the copy (fp8) or more and keeps the
     host free of float maths.
     On a GPU the quantization runs on the copy's side stream (quant_beside), so the next forward
-    overlaps it as it overlaps the copy; quant_beside=False keeps it on the compute stream (to compare).
-    No writers (and no ring) runs the bare forward: same hooks, concatenation and finiteness
-    check, no host copy, no store. Without last_hidden the stack stops at the last tap
+    overlaps it as it overlaps the copy; quant_beside=False keeps it on the compute stream (to
+    compare). No writers (and no ring) runs the bare forward: same hooks, concatenation and
+    finiteness check, no host copy, no store. Without last_hidden the stack stops at the last tap
     (stop_at_last_tap=False runs every layer, as before; for comparisons).
     """
     device = next(model.parameters()).device
@@ -75,15 +77,18 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
     failure, refused = io.failure, io.refused
     copy_stream = torch.cuda.Stream() if device.type == "cuda" and writers else None
     try:
-        upto = max(layer_ids) if stop_at_last_tap and not last_hidden else None  # no layer above it runs
+        # no layer above it runs
+        upto = max(layer_ids) if stop_at_last_tap and not last_hidden else None
         with capture(model, layer_ids) as taps, stack_upto(model, upto), torch.inference_mode():
             for i, batch in enumerate(batches):
                 if failure or stop():
                     break
                 ids, att = _pad(batch, device)
                 out = base(input_ids=ids, attention_mask=att, use_cache=False)
-                hid = torch.cat([taps[lid] for lid in layer_ids], dim=-1).to(torch.bfloat16)  # [B, T, K*H]
-                last = out.last_hidden_state.to(torch.bfloat16) if last_hidden else None  # [B, T, H]
+                # [B, T, K*H]
+                hid = torch.cat([taps[lid] for lid in layer_ids], dim=-1).to(torch.bfloat16)
+                # [B, T, H]
+                last = out.last_hidden_state.to(torch.bfloat16) if last_hidden else None
                 ok = _finite_rows(hid, last, att)  # [B]
                 if not writers:
                     refused[NONFINITE] += int((~ok).sum())  # syncs, like the copy would
@@ -93,7 +98,8 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                 if beside:
                     copy_stream.wait_stream(torch.cuda.current_stream())
                     for x in (hid, ok, att) + ((last,) if last is not None else ()):
-                        x.record_stream(copy_stream)  # read there: their memory must outlive the side stream's use
+                        # read there: their memory must outlive the side stream's use
+                        x.record_stream(copy_stream)
                 with torch.cuda.stream(copy_stream) if beside else contextlib.nullcontext():
                     fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
                 slot = ring.take(failed=lambda: bool(failure))
@@ -119,13 +125,16 @@ class _WriterThreads:
     and its inbox is drained so that every ring slot is given back; `refused` counts the samples
     the writers refused as non-finite."""
 
-    def __init__(self, writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None, quant: str) -> None:
+    def __init__(self, writers: Sequence[ShardWriter | ProcessWriter], ring: HostRing | None,
+                 quant: str) -> None:
         self.ring, self.quant = ring, quant
-        self.inboxes: list[queue.Queue] = [queue.Queue() for _ in writers]  # bounded by the ring's slots
+        # bounded by the ring's slots
+        self.inboxes: list[queue.Queue] = [queue.Queue() for _ in writers]
         self.failure: list[BaseException] = []
         self.refused: Counter = Counter()
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._loop, args=(q, w), name=f"store-writer-{w.writer_id}", daemon=True)
+        self.threads = [threading.Thread(target=self._loop, args=(q, w),
+                                         name=f"store-writer-{w.writer_id}", daemon=True)
                         for q, w in zip(self.inboxes, writers)]
         for t in self.threads:
             t.start()
@@ -137,18 +146,25 @@ class _WriterThreads:
                 event, slot, b, t, rows, batch, small = item
                 if event is not None:
                     event.synchronize()  # the states and `small` have landed in host memory
-                w = WriteItem(slot=slot, batch=b, seq=t, rows=rows, sample_ids=[batch[j].sample_id for j in rows],
-                              input_ids=[batch[j].input_ids for j in rows], loss_masks=[batch[j].loss_mask for j in rows],
+                w = WriteItem(slot=slot, batch=b, seq=t, rows=rows,
+                              sample_ids=[batch[j].sample_id for j in rows],
+                              input_ids=[batch[j].input_ids for j in rows],
+                              loss_masks=[batch[j].loss_mask for j in rows],
                               ok=[bool(small[j, 0]) for j in rows],
-                              quant_sq=[(float(small[j, 1]), float(small[j, 2])) for j in rows] if quant else None)
-                n = writer.write(w) if isinstance(writer, ProcessWriter) else write_rows(writer, ring.views(slot, b, t), w)
+                              quant_sq=[(float(small[j, 1]), float(small[j, 2]))
+                                        for j in rows] if quant else None)
+                if isinstance(writer, ProcessWriter):
+                    n = writer.write(w)
+                else:
+                    n = write_rows(writer, ring.views(slot, b, t), w)
                 with self._lock:
                     self.refused[NONFINITE] += n
                 ring.release(w.slot)
             writer.close()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             self.failure.append(e)
-            while item is not None and (item := inbox.get()) is not None:  # drain: give every slot back
+            # drain: give every slot back
+            while item is not None and (item := inbox.get()) is not None:
                 ring.release(item[1])
 
     def close(self) -> None:
@@ -161,9 +177,10 @@ class _WriterThreads:
 
 def _to_host(fields: dict[str, torch.Tensor], small: torch.Tensor, host: dict[str, torch.Tensor],
              copy_stream) -> tuple[object | None, torch.Tensor]:
-    """The batch's device fields into the ring slot's host views, and `small` to the host: on the side
-    stream when there is one (the next forward overlaps the copy), with the event a writer waits
-    on; else on the compute stream. Returns (event or None, small as the writers will read it)."""
+    """The batch's device fields into the ring slot's host views, and `small` to the host: on the
+    side stream when there is one (the next forward overlaps the copy), with the event a writer
+    waits on; else on the compute stream. Returns (event or None, small as the writers will read
+    it)."""
     if copy_stream is None:
         for name, x in fields.items():
             host[name].copy_(x)
@@ -192,9 +209,11 @@ def _deal(rows: int, batch_index: int, writers: int) -> list[tuple[int, list[int
     return [(k, r) for k, r in enumerate(parts) if r]
 
 
-def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tensor, att: torch.Tensor,
+def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tensor,
+                   att: torch.Tensor,
                    num_taps: int, quant: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The ring fields of one batch, and per-sample `small` [B, 3]: ok, squared quantization error, squared ref.
+    """The ring fields of one batch, and per-sample `small` [B, 3]: ok, squared quantization error,
+    squared ref.
 
     A quant dtype quantizes the K = num_taps taps here (cache_format.codec.quantize); the error sums
     cover real tokens only (att), as the host path's would.
@@ -205,7 +224,8 @@ def _device_fields(hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tenso
     if quant:
         # a named range, so a profile (python -m bench extract --profile) can price the quantization
         with torch.profiler.record_function(f"draftcache.quantize.{quant}"):
-            bits, scales, err, ref = quantize(hid, num_taps, quant)  # [B, T, bytes] u8, [B, T, scales], [B, T] f64 x2
+            # [B, T, bytes] u8, [B, T, scales], [B, T] f64 x2
+            bits, scales, err, ref = quantize(hid, num_taps, quant)
             real = att.double()  # [B, T]
             small[:, 1] = (err * real).sum(-1)
             small[:, 2] = (ref * real).sum(-1)
@@ -224,13 +244,16 @@ def compile_decoder(model: torch.nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def ring_fields(width: int, num_taps: int, last_width: int, quant: str) -> dict[str, tuple[int, torch.dtype]]:
-    """The HostRing fields that run_batches fills for these shapes (quant: "" for bf16, else the dtype)."""
+def ring_fields(width: int, num_taps: int, last_width: int,
+                quant: str) -> dict[str, tuple[int, torch.dtype]]:
+    """The HostRing fields that run_batches fills for these shapes (quant: "" for bf16, else the
+    dtype)."""
     if not quant:
         fields = {"hidden": (width, torch.bfloat16)}
     else:
         nbytes, scales, scale_dtype = scale_layout(quant, num_taps, width // num_taps)
-        fields = {"hidden": (nbytes, torch.uint8), "hidden_scale": (scales, getattr(torch, scale_dtype))}
+        fields = {"hidden": (nbytes, torch.uint8),
+                  "hidden_scale": (scales, getattr(torch, scale_dtype))}
     if last_width:
         fields["last_hidden"] = (last_width, torch.bfloat16)
     return fields

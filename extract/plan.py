@@ -15,14 +15,18 @@ def dflash_layer_ids(num_layers: int, num_taps: int) -> list[int]:
     if num_taps == 1:
         return [num_layers // 2]
     if num_layers < 4:
-        raise ValueError(f"the DFlash tap rule needs >= 4 layers, target has {num_layers}; pass --layers")
-    if num_taps > num_layers - 3:  # the taps span layers 1..N-3: more taps than that would repeat one
-        raise ValueError(f"--num-taps {num_taps}: the DFlash tap rule spreads taps over layers 1..{num_layers - 3} of "
-                         f"this {num_layers}-layer target, so at most {num_layers - 3}; pass fewer or --layers")
+        raise ValueError(f"the DFlash tap rule needs >= 4 layers, target has {num_layers}; pass "
+                         "--layers")
+    # the taps span layers 1..N-3: more taps than that would repeat one
+    if num_taps > num_layers - 3:
+        raise ValueError(f"--num-taps {num_taps}: the DFlash tap rule spreads taps over layers "
+                         f"1..{num_layers - 3} of this {num_layers}-layer target, so at most "
+                         f"{num_layers - 3}; pass fewer or --layers")
     return [int(round(1 + i * (num_layers - 4) / (num_taps - 1))) for i in range(num_taps)]
 
 
-def partition(sample_ids: Sequence[int], lengths: Sequence[int], world_size: int, rank: int) -> list[int]:
+def partition(sample_ids: Sequence[int], lengths: Sequence[int], world_size: int,
+              rank: int) -> list[int]:
     """The samples rank `rank` of `world_size` extracts: every sample exactly once over all ranks.
 
     Samples are dealt round-robin in order of decreasing length (ties by id), so every rank gets
@@ -34,7 +38,8 @@ def partition(sample_ids: Sequence[int], lengths: Sequence[int], world_size: int
     return [sample_ids[i] for i in order[rank::world_size]]
 
 
-def token_budget_batches(sample_ids: Sequence[int], lengths: Sequence[int], budget: int) -> list[list[int]]:
+def token_budget_batches(sample_ids: Sequence[int], lengths: Sequence[int],
+                         budget: int) -> list[list[int]]:
     """Group samples (sorted by length) so that batch size x longest length <= budget.
 
     Sorting keeps padding small; a sample longer than the budget gets a batch of its own.
@@ -54,7 +59,8 @@ def token_budget_batches(sample_ids: Sequence[int], lengths: Sequence[int], budg
 
 
 def generation_jobs(prompt_lengths: Sequence[int], num_samples: int) -> list[tuple[int, int]]:
-    """(prompt index, sample) pairs to generate, shortest prompts first (ties by index, then sample).
+    """(prompt index, sample) pairs to generate, shortest prompts first (ties by index, then
+    sample).
 
     A left-padded generation batch pads every row to its longest prompt, and each decode step reads
     the whole padded KV cache: in prompt order, a batch mixing short GSM8K and long GPQA prompts

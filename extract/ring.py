@@ -2,11 +2,11 @@
 
 Each slot holds one forward batch, as named flat fields: e.g. "hidden" [max_tokens * K*H] (bf16,
 or the bits of an fp8 or mxfp4 store, quantized on the GPU), "hidden_scale" (quantized stores only),
-"last_hidden" [max_tokens * H] (the store's names). The GPU loop takes a free slot, copies into it without blocking and
-hands the slot to the writers; the last writer done with it gives it back. A fixed ring instead
-of fresh `tensor.to("cpu", non_blocking=True)` copies matters on GPU: page-locking 600 MB per
-Qwen3-8B batch on first use cost seconds in a short benchmark, and a fixed ring bounds host RAM
-by construction (slots x max_tokens x bytes/token).
+"last_hidden" [max_tokens * H] (the store's names). The GPU loop takes a free slot, copies into it
+without blocking and hands the slot to the writers; the last writer done with it gives it back. A
+fixed ring instead of fresh `tensor.to("cpu", non_blocking=True)` copies matters on GPU:
+page-locking 600 MB per Qwen3-8B batch on first use cost seconds in a short benchmark, and a fixed
+ring bounds host RAM by construction (slots x max_tokens x bytes/token).
 
 `shared=True` puts the ring in shared memory so writer processes read it in place.
 """
@@ -28,7 +28,8 @@ class HostRing:
     fields: name -> (values per token, dtype).
     """
 
-    def __init__(self, slots: int, max_tokens: int, fields: dict[str, tuple[int, torch.dtype]], *, pin: bool,
+    def __init__(self, slots: int, max_tokens: int, fields: dict[str, tuple[int, torch.dtype]],
+                 *, pin: bool,
                  shared: bool) -> None:
         if slots < 1 or max_tokens < 1:
             raise ValueError("a ring needs at least one slot of at least one token")
@@ -51,7 +52,8 @@ class HostRing:
         self._lock = threading.Lock()
 
     def take(self, failed: Callable[[], bool] = lambda: False) -> int | None:
-        """A free slot, waiting for writers to give one back; None once `failed()` says a writer died."""
+        """A free slot, waiting for writers to give one back; None once `failed()` says a writer
+        died."""
         while True:
             try:
                 return self._free.get(timeout=0.5)
@@ -62,8 +64,10 @@ class HostRing:
     def views(self, slot: int, b: int, t: int) -> dict[str, torch.Tensor]:
         """The slot's fields as [b, t, width] tensors."""
         if b * t > self.max_tokens:
-            raise ValueError(f"batch of {b} x {t} tokens exceeds the ring's {self.max_tokens} tokens per slot")
-        return {name: self.buffers[name][slot][: b * t * w].view(b, t, w) for name, (w, _) in self.fields.items()}
+            raise ValueError(f"batch of {b} x {t} tokens exceeds the ring's {self.max_tokens} "
+                             "tokens per slot")
+        return {name: self.buffers[name][slot][: b * t * w].view(b, t, w)
+                for name, (w, _) in self.fields.items()}
 
     def hold(self, slot: int, holders: int) -> None:
         """`holders` writers will each `release(slot)` once; the slot is free after the last."""

@@ -58,7 +58,8 @@ def default_data_path(cfg: ExtractConfig) -> Path:
     """Where the default data for `cfg` lives: named by a hash of everything that decides it (the
     target file's sha256, the prompt limit, the seed, the generation settings), so another target,
     limit or seed never reuses these answers."""
-    ident = {"target_sha256": target_sha256(cfg.target or packaged_gguf()), "limit": cfg.limit or 64,
+    ident = {"target_sha256": target_sha256(cfg.target or packaged_gguf()),
+             "limit": cfg.limit or 64,
              "seed": cfg.seed, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "temperature": 0.0,
              "prompts": "packaged training prompts"}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -83,21 +84,24 @@ def _default_data(cfg: ExtractConfig, world: World) -> str:
 
 def _check_template_options(cfg: ExtractConfig, data: str) -> None:
     """Refuse, in one line, to render data made with other chat-template options than these: answers
-    regenerated in one mode (thinking, say) rendered in another teach the drafter what is never served.
-    The regeneration's summary (DATA.summary.json) says which options made the data."""
+    regenerated in one mode (thinking, say) rendered in another teach the drafter what is never
+    served. The regeneration's summary (DATA.summary.json) says which options made the data."""
     summary = Path(str(data) + ".summary.json")
     if not summary.is_file():
         return
     try:
         made = json.loads(summary.read_text()).get("chat_template_kwargs", {})
     except (ValueError, OSError, AttributeError) as e:
-        raise ValueError(f"{summary}: unreadable ({type(e).__name__}); remove it or repair it") from None
+        raise ValueError(
+            f"{summary}: unreadable ({type(e).__name__}); remove it or repair it") from None
     if made != cfg.template_kwargs:
-        raise ValueError(f"{data} was regenerated with chat template options {json.dumps(made)} ({summary}), "
-                         f"not {json.dumps(cfg.template_kwargs)}: pass --chat-template-kwargs '{json.dumps(made)}'")
+        raise ValueError(f"{data} was regenerated with chat template options {json.dumps(made)} "
+                         f"({summary}), not {json.dumps(cfg.template_kwargs)}: pass "
+                         f"--chat-template-kwargs '{json.dumps(made)}'")
 
 
-def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter, world: World) -> list[Rendered]:
+def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter,
+                world: World) -> list[Rendered]:
     bad: list[str] = []
     out = []
     _check_template_options(cfg, data)
@@ -105,7 +109,8 @@ def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter, worl
     # the ranks of one host share its cores; one core per rank stays with the target's process
     per_rank = (os.cpu_count() or 1) // max(1, world.local_world_size)
     processes = min(8, per_rank - 1)
-    for (sid, _), r in zip(records, render_many(records, tokenizer, max_len=cfg.max_len, processes=processes,
+    for (sid, _), r in zip(records,
+                           render_many(records, tokenizer, max_len=cfg.max_len, processes=processes,
                                                              template_kwargs=cfg.template_kwargs)):
         if isinstance(r, BadRecord):
             raise BadRecord(f"{data}:{sid + 1}: {r}")
@@ -120,11 +125,13 @@ def _render_all(cfg: ExtractConfig, data: str, tokenizer, skipped: Counter, worl
     return out
 
 
-def run(cfg: ExtractConfig, *, world: World | None = None, on_ready=None, preemptible: bool = False) -> dict:
+def run(cfg: ExtractConfig, *, world: World | None = None, on_ready=None,
+        preemptible: bool = False) -> dict:
     """Extract `cfg.data` into `cfg.store`; returns the closing summary (rank 0's is complete).
-    on_ready: called on rank 0 once the store is created or checked for a resume (a mirror may push).
-    preemptible: SIGTERM or SIGINT during the forward loop stop it after the batch in hand; what was
-    handed to the writers is committed and the summary is {"stopped_by_signal": N, ...} (a rerun goes on)."""
+    on_ready: called on rank 0 once the store is created or checked for a resume (a mirror may
+    push). preemptible: SIGTERM or SIGINT during the forward loop stop it after the batch in hand;
+    what was handed to the writers is committed and the summary is {"stopped_by_signal": N, ...} (a
+    rerun goes on)."""
     world = world or World.from_env()
     if is_url(cfg.store):
         return _run_to_url(cfg, world, preemptible)
@@ -152,17 +159,21 @@ def _run_to_url(cfg: ExtractConfig, world: World, preemptible: bool = False) -> 
     if world.rank != 0:  # they wait at run's first barrier for rank 0's lease and download
         return run(local, world=world, preemptible=preemptible)
     with writing_to(cfg.store, stage, ttl=cfg.lease_ttl, overwrite=cfg.overwrite) as mirror:
-        summary = run(local, world=world, on_ready=mirror.arm, preemptible=preemptible)  # pushes once checked
+        # pushes once checked
+        summary = run(local, world=world, on_ready=mirror.arm, preemptible=preemptible)
     if not summary:
         return summary
     if "stopped_by_signal" in summary:  # named by its URL, not the stage directory
         return {**summary, "store": cfg.store}
-    info = inspect_store(cfg.store)  # the stage no longer holds the complete shards: the server's figures
-    return {**summary, "store": cfg.store, "stage_dir": str(stage), "bytes_per_token": info["bytes_per_token"],
+    # the stage no longer holds the complete shards: the server's figures
+    info = inspect_store(cfg.store)
+    return {**summary, "store": cfg.store, "stage_dir": str(stage),
+            "bytes_per_token": info["bytes_per_token"],
             "store_bytes": info["disk_bytes"]}
 
 
-def _create(cfg: ExtractConfig, world: World, target, layer_ids: list[int], samples: list[Rendered], data) -> Manifest:
+def _create(cfg: ExtractConfig, world: World, target, layer_ids: list[int], samples: list[Rendered],
+            data) -> Manifest:
     """The store's manifest; rank 0 creates the store (or checks it for a resume) with the frozen
     target parts, prompt keys and tokenizer, while the other ranks wait."""
     h = target.info.hidden_size
@@ -174,14 +185,17 @@ def _create(cfg: ExtractConfig, world: World, target, layer_ids: list[int], samp
         last_hidden=cfg.last_hidden, dataset=DatasetInfo(path=str(data), sha256=sha256_file(data),
                                                          num_records=len(samples)),
         max_len=cfg.max_len, bucket_bounds=default_bucket_bounds(cfg.max_len), dtype=cfg.dtype,
-        compression=cfg.compression, rows_per_shard=rows_per_shard, rows_per_chunk=min(32, rows_per_shard),
+        compression=cfg.compression, rows_per_shard=rows_per_shard,
+        rows_per_chunk=min(32, rows_per_shard),
         extract_config=cfg.to_dict(),
     )
     if world.rank == 0:
-        frozen = frozen_parts(target.model, cfg.keep_layers)  # a bad layer id is refused before the store exists
+        # a bad layer id is refused before the store exists
+        frozen = frozen_parts(target.model, cfg.keep_layers)
         create_store(cfg.store, manifest, overwrite=cfg.overwrite)
         write_frozen(cfg.store, frozen)
-        write_prompt_keys(cfg.store, [r.sample_id for r in samples], [r.prompt_key for r in samples])
+        write_prompt_keys(cfg.store, [r.sample_id for r in samples],
+                          [r.prompt_key for r in samples])
         if not (Path(cfg.store) / "tokenizer").exists():
             target.tokenizer.save_pretrained(str(Path(cfg.store) / "tokenizer"))
         record_checksums(cfg.store, manifest, finalized=False)  # the files just written
@@ -189,7 +203,8 @@ def _create(cfg: ExtractConfig, world: World, target, layer_ids: list[int], samp
     return manifest
 
 
-def _finalize(cfg: ExtractConfig, world: World, manifest: Manifest, mine_stats: dict, skipped: Counter, *,
+def _finalize(cfg: ExtractConfig, world: World, manifest: Manifest, mine_stats: dict,
+              skipped: Counter, *,
               data, already_committed: int, layer_ids: list[int], t0: float) -> dict:
     """Every rank's counts gathered; rank 0 finalizes the store and returns the closing summary."""
     stats = [mine_stats]
@@ -203,10 +218,12 @@ def _finalize(cfg: ExtractConfig, world: World, manifest: Manifest, mine_stats: 
         state = finalize_store(cfg.store, manifest)
         info = inspect_store(cfg.store)
         summary = {
-            "store": cfg.store, "data": str(data), "samples_written_now": sum(s["written"] for s in stats),
+            "store": cfg.store, "data": str(data),
+            "samples_written_now": sum(s["written"] for s in stats),
             "samples_in_store": state["num_samples"], "already_committed": already_committed,
             "skipped": dict(skipped), "tokens_now": sum(s["tokens"] for s in stats),
-            "tokens_per_s_per_rank": [s["tokens"] / s["seconds"] if s["seconds"] else 0.0 for s in stats],
+            "tokens_per_s_per_rank": [s["tokens"] / s["seconds"] if s["seconds"] else 0.0
+                                      for s in stats],
             "bytes_per_token": info["bytes_per_token"], "store_bytes": info["disk_bytes"],
             "buckets": {f"{b['lo']}-{b['hi']}": b["num_samples"] for b in info["buckets"]},
             "layer_ids": layer_ids, "wall_s": time.time() - t0,
@@ -226,8 +243,9 @@ def _check_data_file(path: str) -> None:
 
 def _run_locked(cfg: ExtractConfig, world: World, device: torch.device, t0: float, on_ready=None,
                 preemptible: bool = False) -> dict:
-    # a signal from here on stops the run at its next boundary with what it has committed (none while the
-    # target loads or the data renders); one during finalizing lets it finish: the store is then whole
+    # a signal from here on stops the run at its next boundary with what it has committed (none
+    # while the target loads or the data renders); one during finalizing lets it finish: the store
+    # is then whole
     with Preemption(enabled=preemptible) as preempt:
         return _extract(cfg, world, device, t0, on_ready, preempt)
 
@@ -250,7 +268,8 @@ def _extract(cfg: ExtractConfig, world: World, device: torch.device, t0: float, 
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none rendered"
         raise ValueError(f"{data}: no usable samples ({why})")
     if any_rank(preempt.requested(), device, world.world_size):  # nothing written yet
-        return {"stopped_by_signal": preempt.signum or signal.SIGTERM, "store": cfg.store, "already_committed": 0}
+        return {"stopped_by_signal": preempt.signum or signal.SIGTERM, "store": cfg.store,
+                "already_committed": 0}
     by_id = {r.sample_id: r for r in samples}
 
     # ------------------------------------------------------------------ the store
@@ -262,28 +281,35 @@ def _extract(cfg: ExtractConfig, world: World, device: torch.device, t0: float, 
     committed = set(follower.index.sample_ids.tolist())
     todo = [r.sample_id for r in samples if r.sample_id not in committed]
     mine = partition(todo, [len(by_id[s].input_ids) for s in todo], world.world_size, world.rank)
-    nonfinite, elapsed = _forward_all(cfg, world, device, target, layer_ids, [by_id[s] for s in mine],
+    my_samples = [by_id[s] for s in mine]
+    nonfinite, elapsed = _forward_all(cfg, world, device, target, layer_ids, my_samples,
                                       stop=preempt.requested)
     if preempt.requested():  # the batches handed to the writers are committed; a rerun goes on
-        return {"stopped_by_signal": preempt.signum, "store": cfg.store, "already_committed": len(committed)}
+        return {"stopped_by_signal": preempt.signum, "store": cfg.store,
+                "already_committed": len(committed)}
 
     # ------------------------------------------------------------------ finalize and report
     tokens = sum(len(by_id[s].input_ids) for s in mine)
-    mine_stats = {"tokens": tokens, "seconds": elapsed, "written": len(mine) - sum(nonfinite.values()),
+    mine_stats = {"tokens": tokens, "seconds": elapsed,
+                  "written": len(mine) - sum(nonfinite.values()),
                   "nonfinite": dict(nonfinite)}
-    summary = _finalize(cfg, world, manifest, mine_stats, skipped, data=data, already_committed=len(committed),
+    summary = _finalize(cfg, world, manifest, mine_stats, skipped, data=data,
+                        already_committed=len(committed),
                         layer_ids=layer_ids, t0=t0)
     world.barrier()
     return summary
 
 
-def _forward_all(cfg: ExtractConfig, world: World, device: torch.device, target, layer_ids: list[int],
+def _forward_all(cfg: ExtractConfig, world: World, device: torch.device, target,
+                 layer_ids: list[int],
                  mine: list[Rendered], *, stop) -> tuple[Counter, float]:
-    """This rank's samples through the target into the store's writers: (refused counts, seconds)."""
+    """This rank's samples through the target into the store's writers: (refused counts,
+    seconds)."""
     h = target.info.hidden_size
     quant = cfg.dtype if cfg.dtype in QUANTIZED else ""
     ring = HostRing(cfg.queue_batches, cfg.token_budget,
-                    ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0, quant),
+                    ring_fields(h * len(layer_ids), len(layer_ids), h if cfg.last_hidden else 0,
+                                quant),
                     pin=device.type == "cuda", shared=cfg.writer == "process")
     ids = [world.rank * cfg.writers + w for w in range(cfg.writers)]
     writers = ([ProcessWriter(cfg.store, i, ring) for i in ids] if cfg.writer == "process"
@@ -291,14 +317,16 @@ def _forward_all(cfg: ExtractConfig, world: World, device: torch.device, target,
     by_id = {r.sample_id: r for r in mine}
     batches = token_budget_batches(list(by_id), [len(r.input_ids) for r in mine], cfg.token_budget)
     # Host RAM for the ring is queue_batches x token_budget x bytes_per_token (e.g. 4 x 16384 x
-    # 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard buffer per bucket and writer, and one
-    # more per writer for the shard its I/O thread is writing.
+    # 40 KiB = 2.6 GB for Qwen3-8B with 5 taps), plus one shard buffer per bucket and writer, and
+    # one more per writer for the shard its I/O thread is writing.
     bar = tqdm(total=sum(len(r.input_ids) for r in mine), unit="tok", disable=world.rank != 0,
                desc=f"extract x{world.world_size}")
     t_loop = time.time()
     try:
-        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches], writers, ring,
-                                last_hidden=cfg.last_hidden, quant=quant, on_batch=bar.update, stop=stop)
+        nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches],
+                                writers, ring,
+                                last_hidden=cfg.last_hidden, quant=quant,
+                                on_batch=bar.update, stop=stop)
     finally:
         bar.close()
         ring.close()

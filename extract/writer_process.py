@@ -37,31 +37,35 @@ class WriteItem:
     input_ids: list[torch.Tensor]
     loss_masks: list[torch.Tensor]
     ok: list[bool]
-    quant_sq: list[tuple[float, float]] | None = None  # per sample (squared error, squared ref), GPU-quantized
+    # per sample (squared error, squared ref), GPU-quantized
+    quant_sq: list[tuple[float, float]] | None = None
 
 
 def write_rows(writer, views: dict[str, torch.Tensor], item: WriteItem) -> int:
-    """Add the item's samples to a ShardWriter from ring views [B, T, width]; returns the refused count.
+    """Add the item's samples to a ShardWriter from ring views [B, T, width]; returns the refused
+    count.
 
     With a "hidden_scale" field the "hidden" field holds fp8 or mxfp4 bits quantized on the GPU.
     """
     refused = 0
     hid, last, scales = views["hidden"], views.get("last_hidden"), views.get("hidden_scale")
-    for i, (j, sid, ids, mask, ok) in enumerate(zip(item.rows, item.sample_ids, item.input_ids, item.loss_masks,
+    for i, (j, sid, ids, mask, ok) in enumerate(zip(item.rows, item.sample_ids, item.input_ids,
+                                                    item.loss_masks,
                                                    item.ok)):
         if not ok:
             refused += 1
             continue
         n = len(ids)
-        hidden = hid[j, :n] if scales is None else QuantRows(hid[j, :n], scales[j, :n], *item.quant_sq[i])
+        hidden = hid[j, :n] if scales is None else QuantRows(hid[j, :n], scales[j, :n],
+                                                             *item.quant_sq[i])
         writer.add(sid, input_ids=ids, loss_mask=mask, hidden=hidden,
                    last_hidden=last[j, :n] if last is not None else None)
     return refused
 
 
 def _die_with_parent(parent: int) -> None:
-    """Ask Linux to kill this process when its parent dies: a SIGKILLed extraction must not leave its
-    writers waiting on their inbox forever (prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    """Ask Linux to kill this process when its parent dies: a SIGKILLed extraction must not leave
+    its writers waiting on their inbox forever (prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
     try:
         import ctypes
 
@@ -76,8 +80,9 @@ def _child(store: str, writer_id: int, ring: HostRing, inbox, outbox, parent: in
     from cache_format import ShardWriter
 
     _die_with_parent(parent)
-    # a signal to the process group is the parent's to act on: it stops feeding and closes this writer,
-    # which commits what it holds (a parent that dies instead takes this process with it: PDEATHSIG)
+    # a signal to the process group is the parent's to act on: it stops feeding and closes this
+    # writer, which commits what it holds (a parent that dies instead takes this process with it:
+    # PDEATHSIG)
     for sig in Preemption.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     try:
@@ -98,7 +103,8 @@ class ProcessWriter:
         ctx = mp.get_context("spawn")
         self.writer_id = writer_id
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
-        self.proc = ctx.Process(target=_child, args=(store, writer_id, ring, self.inbox, self.outbox, os.getpid()),
+        self.proc = ctx.Process(target=_child,
+                                args=(store, writer_id, ring, self.inbox, self.outbox, os.getpid()),
                                 daemon=True)
         self.proc.start()
         self._expect("ready")
@@ -111,7 +117,8 @@ class ProcessWriter:
                 kind, payload = self.outbox.get(timeout=5.0)
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise CacheFormatError(f"store writer process died (exit code {self.proc.exitcode})") from None
+                    raise CacheFormatError("store writer process died (exit code "
+                                           f"{self.proc.exitcode})") from None
                 continue
             if kind == "error":
                 raise CacheFormatError(str(payload))

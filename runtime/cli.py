@@ -31,14 +31,16 @@ def field_docs(cls: type) -> dict[str, str]:
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 
 class _Seq(click.ParamType):
-    """A tuple field: "1,9,17" (or "0/2" with sep "/") on the command line, a list in a config file."""
+    """A tuple field: "1,9,17" (or "0/2" with sep "/") on the command line, a list in a config
+    file."""
 
     def __init__(self, item: type, sep: str) -> None:
         self.item, self.sep = item, sep
@@ -54,10 +56,12 @@ class _Seq(click.ParamType):
         try:
             return tuple(self.item(x.strip() if isinstance(x, str) else x) for x in items)
         except (TypeError, ValueError):
-            self.fail(f"expected {self.item.__name__} values separated by {self.sep!r}, got {value!r}", param, ctx)
+            self.fail(f"expected {self.item.__name__} values separated by {self.sep!r}, got "
+                      f"{value!r}", param, ctx)
 
 
-def load_config_file(path: str, fields: list[str], types: dict[str, Any] | None = None) -> dict[str, Any]:
+def load_config_file(path: str, fields: list[str],
+                     types: dict[str, Any] | None = None) -> dict[str, Any]:
     """{field: value} of a TOML or YAML file; ValueError in one line naming the file on bad input
     (with `types`, the fields' annotations: a value of another type, such as 1 for a bool, too)."""
     p = Path(path)
@@ -75,26 +79,31 @@ def load_config_file(path: str, fields: list[str], types: dict[str, Any] | None 
 
             data = tomllib.loads(text)
     except Exception as e:  # noqa: BLE001 - tomllib and yaml raise their own error types
-        raise ValueError(f"{path}: not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'TOML'}: "
+        raise ValueError(f"{path}: not valid "
+                         f"{'YAML' if p.suffix in ('.yaml', '.yml') else 'TOML'}: "
                          f"{' '.join(str(e).split())}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected key = value pairs at the top level, got a {type(data).__name__}")
+        raise ValueError(f"{path}: expected key = value pairs at the top level, got a "
+                         f"{type(data).__name__}")
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            raise ValueError(f"{path}: unknown key {key!r} (the keys are the options without '--': {', '.join(fields)})")
+            raise ValueError(f"{path}: unknown key {key!r} (the keys are the options without '--': "
+                             f"{', '.join(fields)})")
         if types and name in types and not _fits(value, types[name]):
             want = getattr(types[name], "__name__", str(types[name]))
-            raise ValueError(f"{path}: {key} = {value!r} is a {type(value).__name__}; {key} takes a {want}")
+            raise ValueError(f"{path}: {key} = {value!r} is a {type(value).__name__}; {key} takes "
+                             f"a {want}")
         out[name] = value
     return out
 
 
 def _fits(value: Any, hint: Any) -> bool:
-    """Whether a config file's value has the field's type (bool is not an int here, an int is a float)."""
+    """Whether a config file's value has the field's type (bool is not an int here, an int is a
+    float)."""
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
@@ -109,7 +118,8 @@ def _fits(value: Any, hint: Any) -> bool:
 
 
 def to_toml(values: dict[str, Any]) -> str:
-    """Flat TOML of a config's to_dict() (JSON scalars and lists are TOML too; None has no TOML form)."""
+    """Flat TOML of a config's to_dict() (JSON scalars and lists are TOML too; None has no TOML
+    form)."""
     return "".join(f"{k} = {json.dumps(list(v) if isinstance(v, tuple) else v)}\n"
                    for k, v in values.items() if v is not None)
 
@@ -117,20 +127,24 @@ def to_toml(values: dict[str, Any]) -> str:
 def _option(field: dataclasses.Field, hint: Any, doc: str, sep: str) -> click.Option:
     flag = "--" + field.name.replace("_", "-")
     required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-    default = None if required else (field.default if field.default is not dataclasses.MISSING else field.default_factory())
+    default = None if required else (field.default if field.default is not dataclasses.MISSING
+                                     else field.default_factory())
     if hint is bool:
-        return click.Option([f"{flag}/--no-{flag[2:]}", field.name], default=default, show_default=True, help=doc)
+        return click.Option([f"{flag}/--no-{flag[2:]}", field.name], default=default,
+                            show_default=True, help=doc)
     if typing.get_origin(hint) is tuple:
         kind = _Seq(typing.get_args(hint)[0], sep)
         shown = sep.join(map(str, default)) if default else "none"
-        return click.Option([flag, field.name], type=kind, default=default, required=required, help=doc,
+        return click.Option([flag, field.name], type=kind, default=default,
+                            required=required, help=doc,
                             show_default=shown)
     kind = {int: click.INT, float: click.FLOAT, str: click.STRING}[hint]
     return click.Option([flag, field.name], type=kind, default=default, required=required, help=doc,
                         show_default=default not in ("", None))
 
 
-def config_command(cls: type, *, seps: dict[str, str] | None = None, extra: tuple[click.Option, ...] = ()):
+def config_command(cls: type, *, seps: dict[str, str] | None = None,
+                   extra: tuple[click.Option, ...] = ()):
     """Decorator: `fn(cfg, **extra options)` becomes a click command whose options are cls's fields.
 
     An invalid config (the dataclass's ValueError) is one line on stderr and exit 2.
@@ -148,15 +162,18 @@ def config_command(cls: type, *, seps: dict[str, str] | None = None, extra: tupl
         except ValueError as e:
             click.echo(f"error: {e}", err=True)
             ctx.exit(2)
-        ctx.default_map = {**(ctx.default_map or {}), **values}  # flags given on the command line win
+        # flags given on the command line win
+        ctx.default_map = {**(ctx.default_map or {}), **values}
 
     def deco(fn: Callable[..., Any]) -> click.Command:
         params = [click.Option(["--config"], is_eager=True, expose_value=False, callback=load,
                                type=click.Path(dir_okay=False),
-                               help="TOML or YAML file of option values by name (e.g. token_budget = 8192); "
-                                    "flags given here override it."),
-                  click.Option(["--print-config"], is_flag=True, help="Print the resolved config as TOML and exit.")]
-        params += [_option(f, hints[f.name], docs.get(f.name, ""), (seps or {}).get(f.name, ",")) for f in fields]
+                               help="TOML or YAML file of option values by name (e.g. token_budget "
+                                    "= 8192); flags given here override it."),
+                  click.Option(["--print-config"], is_flag=True,
+                               help="Print the resolved config as TOML and exit.")]
+        params += [_option(f, hints[f.name], docs.get(f.name, ""), (seps or {}).get(f.name, ","))
+                   for f in fields]
         params += list(extra)
 
         def callback(print_config: bool, **kw: Any) -> Any:

@@ -10,7 +10,8 @@ import math
 __all__ = ["check_numbers"]
 
 
-def check_numbers(cfg, *, negative_ok: tuple[str, ...] = (), infinite_ok: tuple[str, ...] = ()) -> None:
+def check_numbers(cfg, *, negative_ok: tuple[str, ...] = (),
+                  infinite_ok: tuple[str, ...] = ()) -> None:
     """Raise ValueError (one line, naming the field) for an int field that is not an int (a bool
     included) or is negative, or a float field that is not a number, is NaN, infinite or negative.
     `negative_ok`: fields where a negative value means something (e.g. -1: choose one);

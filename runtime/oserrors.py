@@ -1,6 +1,7 @@
-"""What a failed write says: the cause named (no space left, a file-size limit, permissions, a quota)
-with the file, in one line, in place of the library's own words (torch's checkpoint writer reports a
-full disk as "unexpected pos ...", a size limit reaches Python as "[Errno 27] File too large")."""
+"""What a failed write says: the cause named (no space left, a file-size limit, permissions, a
+quota) with the file, in one line, in place of the library's own words (torch's checkpoint writer
+reports a full disk as "unexpected pos ...", a size limit reaches Python as "[Errno 27] File too
+large")."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 
 __all__ = ["WRITE_LIMITS", "write_failure"]
 
-# the errnos of a write that ran into a limit (room, size, quota, a read-only mount), not a failed read
+# the errnos of a write that ran into a limit (room, size, quota, a read-only mount), not a failed
+# read
 WRITE_LIMITS = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS)
 
-# below this much free space a write that failed without an errno (torch's zip writer) failed for room
+# below this much free space a write that failed without an errno (torch's zip writer) failed for
+# room
 LOW_SPACE = 64 * 2**20
 
 _CAUSES = {
@@ -50,8 +53,8 @@ def _free(path: Path) -> int | None:
 
 
 def write_failure(e: BaseException, path: str | os.PathLike) -> str:
-    """One line for a failed write of `path`: '{path}: {cause}', the cause from the errno in e's chain,
-    or from the free space left where e carries none; else e's own first line."""
+    """One line for a failed write of `path`: '{path}: {cause}', the cause from the errno in e's
+    chain, or from the free space left where e carries none; else e's own first line."""
     path = Path(path)
     err = _os_error(e)
     free = _free(path)

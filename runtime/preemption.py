@@ -24,16 +24,16 @@ class Preemption:
     inside another takes over a signal the outer one noted (a stage's command opens one before its
     imports, its run another around the work).
 
-    `stopping` is shared with the DataLoader workers forked meanwhile (their `worker_init`): a worker
-    signalled with the process group stays alive while the main process is stopping at a step
+    `stopping` is shared with the DataLoader workers forked meanwhile (their `worker_init`): a
+    worker signalled with the process group stays alive while the main process is stopping at a step
     boundary (it shuts the workers down then), and dies as usual otherwise (when the main process
     ends its workers itself, or is gone)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, enabled: bool = True) -> None:
-        """enabled False: entering the context changes nothing (signals end the process as usual), so a
-        caller that may or may not be preemptible opens the same context either way."""
+        """enabled False: entering the context changes nothing (signals end the process as usual),
+        so a caller that may or may not be preemptible opens the same context either way."""
         self.enabled = enabled
         self.signum: int | None = None
         self.stopping = multiprocessing.Value("b", 0, lock=False)
@@ -57,11 +57,15 @@ class Preemption:
             for s in self.SIGNALS:
                 old = signal.getsignal(s)
                 outer = getattr(old, "__self__", None)
-                if isinstance(outer, Preemption):  # one `stopping` for both: a worker forked now follows the
-                    self._outer, self.stopping = outer, outer.stopping  # outer one once this one is closed
-                    if outer.signum is not None:  # noted while the stage started (its imports): stop at once
+                # one `stopping` for both: a worker forked now follows the
+                if isinstance(outer, Preemption):
+                    # outer one once this one is closed
+                    self._outer, self.stopping = outer, outer.stopping
+                    # noted while the stage started (its imports): stop at once
+                    if outer.signum is not None:
                         self.signum, self.stopping.value = outer.signum, 1
-                # a signal the launcher ignores stays ignored (a shell's background jobs ignore SIGINT)
+                # a signal the launcher ignores stays ignored (a shell's background jobs ignore
+                # SIGINT)
                 if old is not signal.SIG_IGN:
                     self._old[s] = signal.signal(s, self._note)
         return self
@@ -78,8 +82,9 @@ class Preemption:
             signal.signal(s, self._worker_signal)
 
     def _worker_signal(self, signum: int, _frame) -> None:
-        # the main process, signalled with the group, marks `stopping` when its main thread next runs
-        # Python, which on a loaded machine may be seconds away: wait for it, then die if it never came
+        # the main process, signalled with the group, marks `stopping` when its main thread next
+        # runs Python, which on a loaded machine may be seconds away: wait for it, then die if it
+        # never came
         deadline = time.monotonic() + WORKER_GRACE_S
         while not self.stopping.value and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -26,7 +26,8 @@ class World:
     @classmethod
     def from_env(cls) -> World:
         env = os.environ
-        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)),
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+                   int(env.get("LOCAL_RANK", 0)),
                    int(env.get("LOCAL_WORLD_SIZE", 1)))
 
     @property
@@ -48,7 +49,8 @@ class World:
 
 
 def any_rank(flag: bool, device: torch.device, world: int) -> bool:
-    """Whether `flag` holds on any rank (every rank calls this at the same step, so all stop alike)."""
+    """Whether `flag` holds on any rank (every rank calls this at the same step, so all stop
+    alike)."""
     t = torch.tensor([float(flag)], device=device)
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

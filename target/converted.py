@@ -54,8 +54,9 @@ def cache_root() -> Path | None:
 
 @contextmanager
 def entry_lock(sha: str) -> Iterator[None]:
-    """Hold this GGUF's conversion lock (blocking): the first holder converts, the rest read. The same
-    OS lock as a store's writer (cache_format.lock.WriterLock): the file `SHA.lock` in the cache."""
+    """Hold this GGUF's conversion lock (blocking): the first holder converts, the rest read. The
+    same OS lock as a store's writer (cache_format.lock.WriterLock): the file `SHA.lock` in the
+    cache."""
     root = cache_root()
     if root is None:
         yield
@@ -94,7 +95,8 @@ def gguf_parsed_once() -> Iterator[None]:
             readers[key] = real_reader(path, *args, **kwargs)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.lru_cache(maxsize=None)(real_map)
+    cached_map = functools.lru_cache(maxsize=None)(real_map)
+    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, cached_map
     try:
         yield
     finally:
@@ -124,7 +126,8 @@ def write_entry(sha: str, model: torch.nn.Module, tokenizer, config: dict, tok_s
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         write_hf_dir(model, tokenizer, tmp)
-        (tmp / _MARK).write_text(json.dumps({"gguf_sha256": sha, "config": config, "tokenizer_sha256": tok_sha}))
+        (tmp / _MARK).write_text(json.dumps({"gguf_sha256": sha, "config": config,
+                                             "tokenizer_sha256": tok_sha}))
         try:
             os.rename(tmp, root / sha)
         except OSError:  # another process put the same entry in place first

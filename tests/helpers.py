@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 
 from bench.common import tiny_target_dir, tiny_tokenizer, write_chats  # noqa: F401 - one home: the benches build the same tiny targets and data
-from cache_format import DatasetInfo, Manifest, ShardWriter, StoreReader, TargetInfo, create_store, finalize_store
+from cache_format import (
+    DatasetInfo,
+    Manifest,
+    ShardWriter,
+    StoreReader,
+    TargetInfo,
+    create_store,
+    finalize_store,
+)
 from extract.config import ExtractConfig
 
 H, N_LAYERS, VOCAB = 8, 4, 100

@@ -32,14 +32,17 @@ def main(cfg: TrainConfig) -> None:
     except (CacheFormatError, ValueError, OSError) as e:
         click.echo(f"error: {_one_line(e)}", err=True)
         sys.exit(2)
-    stop = f" (stopped: {res['patience']} evaluations without a new best)" if res["stopped_early"] else ""
+    stop = ""
+    if res["stopped_early"]:
+        stop = f" (stopped: {res['patience']} evaluations without a new best)"
     if res["stopped_by_time"]:
         stop = f" (stopped by --time-limit {cfg.time_limit:g} s: rerun with --resume to continue)"
     if res["stopped_by_signal"]:
         name = signal.Signals(res["stopped_by_signal"]).name
-        click.echo(f"trained {res['steps']} steps into {res['run']} (stopped by {name}, checkpoint saved: rerun with "
-                   "--resume to continue)")
-        sys.exit(128 + res["stopped_by_signal"])  # the shell's code for that signal: a scheduler requeues it
+        click.echo(f"trained {res['steps']} steps into {res['run']} (stopped by {name}, checkpoint "
+                   "saved: rerun with --resume to continue)")
+        # the shell's code for that signal: a scheduler requeues it
+        sys.exit(128 + res["stopped_by_signal"])
     click.echo(f"trained {res['steps']} steps into {res['run']}{stop}")
 
 

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from target.loader import capture
 
-__all__ = ["decode_chain", "draft_checks", "leading_matches", "per_response_tau", "teacher_forced_accepts",
+__all__ = ["decode_chain", "draft_checks", "leading_matches", "per_response_tau",
+           "teacher_forced_accepts",
            "vocab_rejections"]
 
 
@@ -83,10 +84,12 @@ def draft_checks(accepted: list[int], block_size: int) -> list[tuple[int, bool]]
     return out
 
 
-def vocab_rejections(accepted: list[int], new: list[int], vocab: set[int] | None, block_size: int) -> tuple[int, int]:
+def vocab_rejections(accepted: list[int], new: list[int], vocab: set[int] | None,
+                     block_size: int) -> tuple[int, int]:
     """(rejections, those at a token outside `vocab`) of one decoded response (`draft_checks`): at a
     rejection the response holds the target's own choice; when that token lies outside the draft
-    vocabulary (None: the target's whole, nothing outside) the drafter could not have proposed it."""
+    vocabulary (None: the target's whole, nothing outside) the drafter could not have proposed
+    it."""
     rejected = [p for p, r in draft_checks(accepted, block_size) if r]
     return len(rejected), sum(vocab is not None and new[p] not in vocab for p in rejected)
 
@@ -105,8 +108,10 @@ def teacher_forced_accepts(drafter, target, prompt: list[int], new: list[int]) -
     with capture(target, drafter.target_layer_ids) as taps:  # {layer id: [1, L, H]}
         target(seq)
     x = torch.cat([taps[i] for i in drafter.target_layer_ids], dim=-1)  # [1, L, K*H]
-    ctx = drafter.context_kv(x, torch.arange(x.shape[1], device=dev)[None])  # per layer (k, v) [1, nkv, L, hd]
-    embed, head = target.get_input_embeddings().weight, drafter.draft_head(target.get_output_embeddings().weight)
+    # per layer (k, v) [1, nkv, L, hd]
+    ctx = drafter.context_kv(x, torch.arange(x.shape[1], device=dev)[None])
+    embed = target.get_input_embeddings().weight
+    head = drafter.draft_head(target.get_output_embeddings().weight)
     head = head.to(next(drafter.parameters()).dtype)  # [V or N, H], cast once, not per anchor
     bs, p = drafter.block_size, len(prompt)
     out = []
@@ -116,6 +121,7 @@ def teacher_forced_accepts(drafter, target, prompt: list[int], new: list[int]) -
         block[0, 0] = new[j]
         hid = drafter(F.embedding(block, embed), torch.arange(n, n + bs, device=dev)[None],
                       [(k[:, :, :n], v[:, :, :n]) for k, v in ctx])  # [1, bs, H]
-        draft = drafter.draft_tokens(F.linear(hid[0, 1:], head), block[0, 0]).tolist()  # [bs-1] target ids
+        # [bs-1] target ids
+        draft = drafter.draft_tokens(F.linear(hid[0, 1:], head), block[0, 0]).tolist()
         out.append(leading_matches(draft, new[j + 1: j + bs]))
     return out

@@ -14,8 +14,10 @@ __all__ = ["IGNORE", "build_blocks", "previous_tokens", "sample_anchors"]
 IGNORE = -100
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """loss_mask [L] -> sorted distinct anchors [n], n = min(num_anchors, #valid), uniform at random."""
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """loss_mask [L] -> sorted distinct anchors [n], n = min(num_anchors, #valid), uniform at
+    random."""
     m = loss_mask.bool()
     valid = torch.nonzero(m[:-1] & m[1:]).flatten()  # p with p and p+1 supervised
     if len(valid) <= num_anchors:
@@ -24,7 +26,8 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return valid[pick].sort().values
 
 
-def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, block_size: int,
+def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                 block_size: int,
                  mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(block ids, positions, labels), each [n * block_size], for the anchors of one sequence.
 
@@ -42,11 +45,12 @@ def build_blocks(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
 
 
 def previous_tokens(block_ids: torch.Tensor, labels: torch.Tensor, block_size: int) -> torch.Tensor:
-    """block_ids, labels [..., n * block_size] (build_blocks) -> [..., n * block_size]: the true token
-    before each slot, what a Markov head reads (train.markov_head): slot 1's is the anchor's token,
-    slot k's the label of slot k - 1; 0 where that label is IGNORE (its slot has none either) and at
-    slot 0 (no loss)."""
+    """block_ids, labels [..., n * block_size] (build_blocks) -> [..., n * block_size]: the true
+    token before each slot, what a Markov head reads (train.markov_head): slot 1's is the anchor's
+    token, slot k's the label of slot k - 1; 0 where that label is IGNORE (its slot has none either)
+    and at slot 0 (no loss)."""
     ids = block_ids.reshape(*block_ids.shape[:-1], -1, block_size)  # [..., n, B]
     lab = labels.reshape(ids.shape)
-    prev = torch.cat([torch.zeros_like(ids[..., :1]), ids[..., :1], lab[..., 1:-1]], -1)  # [..., n, B]
+    # [..., n, B]
+    prev = torch.cat([torch.zeros_like(ids[..., :1]), ids[..., :1], lab[..., 1:-1]], -1)
     return prev.clamp(min=0).reshape(block_ids.shape)

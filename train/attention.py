@@ -8,7 +8,8 @@ not end on a tile), the largest share of the tiles the kernels visit at the Smol
 on a GPU, a dense masked product on the CPU), the own block as a dense [block x block] product per
 block, and the two softmaxes are joined by their log-sum-exps: the same attention (up to rounding).
 
-Shapes: B batch, nh query heads, nkv kv heads, Q = N blocks x bs query rows, T context keys, hd head dim.
+Shapes: B batch, nh query heads, nkv kv heads, Q = N blocks x bs query rows, T context keys, hd head
+dim.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_siz
     """Each query row attends to every key of its own block (bidirectional), nothing else.
 
     q [B, nh, Q, hd], k, v [B, nkv, Q, hd] -> out [B, nh, Q, hd], lse [B, nh, Q] (float32).
-    Query head h reads kv head h // (nh / nkv), as FlexAttention's enable_gqa and repeat_interleave do.
+    Query head h reads kv head h // (nh / nkv), as FlexAttention's enable_gqa and repeat_interleave
+    do.
     """
     b, nh, q_len, hd = q.shape
     nkv, n = k.shape[1], q_len // block_size
@@ -49,37 +51,43 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention with its log-sum-exp (the CPU path and the GPU kernel's oracle).
 
-    q [B, nh, Q, hd], k, v [B, nkv, T, hd], visible [B, Q, T] bool -> out [B, nh, Q, hd], lse [B, nh, Q]
-    (float32). A row that sees no key gets out 0 and lse -inf, as FlexAttention gives it.
+    q [B, nh, Q, hd], k, v [B, nkv, T, hd], visible [B, Q, T] bool -> out [B, nh, Q, hd], lse [B,
+    nh, Q] (float32). A row that sees no key gets out 0 and lse -inf, as FlexAttention gives it.
     """
     rep, hd = q.shape[1] // k.shape[1], q.shape[-1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = (q @ k.transpose(-1, -2)).float() * hd ** -0.5  # [B, nh, Q, T]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, nh, Q]
-    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # an empty row: exp(-inf - 0) = 0
+    # an empty row: exp(-inf - 0) = 0
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     out = torch.exp(scores - finite[..., None]).to(v.dtype) @ v
     return out, lse
 
 
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor
                     ) -> torch.Tensor:
-    """The attention over the union of two disjoint key sets from each one's: out [..., hd], lse [...]
-    -> out [..., hd]. lse_b must be finite (the own block is never empty); lse_a may be -inf."""
+    """The attention over the union of two disjoint key sets from each one's: out [..., hd], lse
+    [...] -> out [..., hd]. lse_b must be finite (the own block is never empty); lse_a may be
+    -inf."""
     top = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)  # [...]: each side's share, unnormalized
+    # [...]: each side's share, unnormalized
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
     out = (out_a.float() * w_a[..., None] + out_b.float() * w_b[..., None]) / (w_a + w_b)[..., None]
     return out.to(out_b.dtype)
 
 
-def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
+                    ctx_v: torch.Tensor,
                     mask: SplitMask, flex=None) -> torch.Tensor:
-    """q [B, nh, Q, hd], the blocks' k, v [B, nkv, Q, hd], the context's ctx_k, ctx_v [B, nkv, T, hd]
-    -> out [B, nh, Q, hd]. `flex`: the flex_attention function when mask.context is a BlockMask."""
+    """q [B, nh, Q, hd], the blocks' k, v [B, nkv, Q, hd], the context's ctx_k, ctx_v [B, nkv, T,
+    hd] -> out [B, nh, Q, hd]. `flex`: the flex_attention function when mask.context is a
+    BlockMask."""
     if isinstance(mask.context, torch.Tensor):
         out_c, lse_c = masked_attention(q, ctx_k, ctx_v, mask.context)
     else:
-        out_c, lse_c = flex(q, ctx_k.to(q.dtype), ctx_v.to(q.dtype), block_mask=mask.context, enable_gqa=True,
-                            return_lse=True)
+        out_c, lse_c = flex(q, ctx_k.to(q.dtype), ctx_v.to(q.dtype), block_mask=mask.context,
+                            enable_gqa=True, return_lse=True)
     out_b, lse_b = block_attention(q, k.to(q.dtype), v.to(q.dtype), mask.block_size)
     return merge_attention(out_c, lse_c.float(), out_b, lse_b)

@@ -20,17 +20,20 @@ from runtime.oserrors import write_failure
 
 CHECKSUMS = "checksums.json"  # sha256 of each file of a checkpoint, written last before the rename
 
-__all__ = ["best_checkpoint", "latest_checkpoint", "load_checkpoint", "resolve_checkpoint", "save_best",
+__all__ = ["best_checkpoint", "latest_checkpoint", "load_checkpoint", "resolve_checkpoint",
+           "save_best",
            "save_checkpoint", "set_aside_after"]
 
 
 def _steps(root: Path, prefix: str) -> list[int]:
-    """The steps of the complete `prefix`N directories under root, ascending (.partial ones are not complete)."""
+    """The steps of the complete `prefix`N directories under root, ascending (.partial ones are not
+    complete)."""
     n = len(prefix)
     return sorted(int(p.name[n:]) for p in root.glob(f"{prefix}*") if p.name[n:].isdigit())
 
 
-def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any], extra: dict[str, Any] | None) -> Path:
+def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
+           extra: dict[str, Any] | None) -> Path:
     final, tmp = root / name, root / f"{name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -43,7 +46,8 @@ def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
         # a flipped byte in the weights would load as other weights: every file's sha256 beside them
         sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1))
-    except Exception as e:  # noqa: BLE001 - a full disk reaches us as OSError or safetensors' own error
+    # a full disk reaches us as OSError or safetensors' own error
+    except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"the checkpoint could not be written: {write_failure(e, root / name)}; "
                          "the earlier checkpoints are untouched") from None
@@ -52,7 +56,8 @@ def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
     return final
 
 
-def save_checkpoint(run: str | os.PathLike, step: int, *, model: torch.nn.Module, optimizer, scheduler,
+def save_checkpoint(run: str | os.PathLike, step: int, *, model: torch.nn.Module,
+                    optimizer, scheduler,
                     state: dict[str, Any], keep: int) -> Path:
     root = Path(run) / "checkpoints"
     final = _write(root, f"step-{step}", model, state,
@@ -62,7 +67,8 @@ def save_checkpoint(run: str | os.PathLike, step: int, *, model: torch.nn.Module
     return final
 
 
-def save_best(run: str | os.PathLike, step: int, *, model: torch.nn.Module, state: dict[str, Any]) -> Path:
+def save_best(run: str | os.PathLike, step: int, *, model: torch.nn.Module,
+              state: dict[str, Any]) -> Path:
     """Weights and state (with the score that made it best) as best-STEP; the older best goes only
     once this one is complete, so a crash always leaves one whole best checkpoint."""
     root = Path(run) / "checkpoints"
@@ -88,8 +94,8 @@ def best_checkpoint(run: str | os.PathLike) -> Path | None:
 
 
 def resolve_checkpoint(run: str | os.PathLike, which: str = "") -> Path:
-    """`which`: "best" (best held-out score), "latest" (newest step-N), a directory, or "" = best if the
-    run validated, else latest. ValueError naming the run if there is none."""
+    """`which`: "best" (best held-out score), "latest" (newest step-N), a directory, or "" = best if
+    the run validated, else latest. ValueError naming the run if there is none."""
     if which not in ("", "best", "latest"):
         return Path(which)
     best = best_checkpoint(run) if which in ("", "best") else None
@@ -102,44 +108,52 @@ def resolve_checkpoint(run: str | os.PathLike, which: str = "") -> Path:
 
 def set_aside_after(run: str | os.PathLike, step: int) -> None:
     """Rename the run's step-N checkpoints past `step` to step-N.superseded (--resume-from: the run
-    goes on from an earlier checkpoint, and a later resume must not take the later ones as newest)."""
+    goes on from an earlier checkpoint, and a later resume must not take the later ones as
+    newest)."""
     for n in [n for n in _steps(Path(run) / "checkpoints", "step-") if n > step]:
         later = Path(run) / "checkpoints" / f"step-{n}"
         os.replace(later, later.with_name(later.name + ".superseded"))
 
 
 def check_files(path: Path) -> None:
-    """ValueError in one line if a file listed in the checkpoint's checksums.json is missing or changed
-    (a checkpoint put together by hand, without the list, is taken as it is)."""
+    """ValueError in one line if a file listed in the checkpoint's checksums.json is missing or
+    changed (a checkpoint put together by hand, without the list, is taken as it is)."""
     listed = path / CHECKSUMS
     if not listed.is_file():
         return
     try:
         sums = json.loads(listed.read_text())
     except ValueError:
-        raise ValueError(f"{listed}: damaged; name an earlier checkpoint with --resume-from") from None
+        raise ValueError(
+            f"{listed}: damaged; name an earlier checkpoint with --resume-from") from None
     for name, want in sorted(sums.items()):
         if not (path / name).is_file() or sha256_file(path / name) != want:
-            raise ValueError(f"{path / name}: {'missing' if not (path / name).is_file() else 'checksum mismatch'} "
+            raise ValueError(f"{path / name}: "
+                             f"{'missing' if not (path / name).is_file() else 'checksum mismatch'} "
                              "(a damaged checkpoint); name an earlier one with --resume-from")
 
 
-def load_checkpoint(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """(model state, optimizer+scheduler state, state.json) of a checkpoint directory, its files checked."""
+def load_checkpoint(
+        path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(model state, optimizer+scheduler state, state.json) of a checkpoint directory, its files
+    checked."""
     path = Path(path)
     if not (path / "state.json").is_file():
         raise ValueError(f"{path}: not a checkpoint (no state.json)")
     check_files(path)
     part = "state.json"
-    try:  # a truncated or damaged file is one line naming it, not a traceback from torch or safetensors
+    # a truncated or damaged file is one line naming it, not a traceback from torch or safetensors
+    try:
         state = json.loads((path / part).read_text())
         part = "optimizer.pt"
         opt = torch.load(path / part, weights_only=False) if (path / part).exists() else {}
         part = "model.safetensors"
         weights = load_file(str(path / part))
     except Exception as e:  # noqa: BLE001 - pickle, safetensors and json each raise their own types
-        raise ValueError(f"{path / part}: damaged or truncated ({type(e).__name__}); resume from an earlier "
-                         f"checkpoint: --resume takes the newest, so move this one aside") from None
+        raise ValueError(f"{path / part}: damaged or truncated ({type(e).__name__}); resume from "
+                         "an earlier checkpoint: --resume takes the newest, so move this one "
+                         "aside") from None
     if not isinstance(state, dict) or not isinstance(opt, dict):
-        raise ValueError(f"{path}: damaged checkpoint (state.json or optimizer.pt is not what a checkpoint holds)")
+        raise ValueError(f"{path}: damaged checkpoint (state.json or optimizer.pt is not what a "
+                         "checkpoint holds)")
     return weights, opt, state

@@ -1,4 +1,5 @@
-"""TrainConfig: every knob of stage two; the CLI maps onto it 1:1 and it is saved with checkpoints."""
+"""TrainConfig: every knob of stage two; the CLI maps onto it 1:1 and it is saved with
+checkpoints."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ __all__ = ["TrainConfig"]
 LOSS_BACKWARDS = ("fused", "recompute", "keep")
 # The dtype DDP all-reduces gradients in (train.data_parallel).
 GRAD_REDUCES = ("fp32", "bf16")
-# Per-slot loss weights (train.losses.Weighting): the fixed decay, or each slot's share of the batch's acceptance.
+# Per-slot loss weights (train.losses.Weighting): the fixed decay, or each slot's share of the
+# batch's acceptance.
 POSITION_WEIGHTS = ("decay", "reach")
 # The soft-label term of --loss kl and mix (train.losses): forward KL, or total variation.
 DIVERGENCES = ("kl", "tv")
@@ -42,15 +44,18 @@ class TrainConfig:
     100K-sample store on an H200 the first epoch (every shard checked) trained at 100.0% of the
     second's rate (docs/BENCHMARKS.md)."""
     follow: bool = False
-    """Train while stage one is still writing; the last epoch waits for the store to be finalized."""
+    """Train while stage one is still writing; the last epoch waits for the store to be
+    finalized."""
     follow_timeout: float = 300.0
-    """With --follow: seconds to keep waiting once the store's writer is known to be gone (its pid on
-    this host no longer runs) and the store is not finalized; then stop with one line (0 = wait forever)."""
+    """With --follow: seconds to keep waiting once the store's writer is known to be gone (its pid
+    on this host no longer runs) and the store is not finalized; then stop with one line (0 = wait
+    forever)."""
     node_affine: bool = False
     """Several nodes: each node's ranks train on a fixed share of the store's shards (whole shards,
     balanced by tokens), reshuffled within the share every epoch, so a node reading a store by URL
     fetches and caches its share, 1/nodes of the store, instead of all of it over the epochs. Every
-    step still draws from every share. One node: no effect. Not with follow (the shares would move)."""
+    step still draws from every share. One node: no effect. Not with follow (the shares would
+    move)."""
     # ------------------------------------------------------------------ the drafter
     num_layers: int = 1
     """Drafter depth D (DFlash uses 5; 1 trains fast on CPU)."""
@@ -63,14 +68,16 @@ class TrainConfig:
     draft_vocab: int = 0
     """Tokens the drafter may propose: the N most frequent answer tokens of the store's training
     samples (0 = the target's whole vocabulary). The lm_head and the loss's softmax then cost N/V of
-    theirs; a token outside can never be drafted (the run logs the share of answer tokens inside)."""
+    theirs; a token outside can never be drafted (the run logs the share of answer tokens
+    inside)."""
     markov_rank: int = 0
-    """A Markov dependence head over the block (DSpark's, train.markov_head) of this rank: each slot's
-    logits get a bias read from the token before it, so drafting is sequential over the block's
-    slots and a draft tree scores each child after its parent's token; 0 = none (independent slots)."""
+    """A Markov dependence head over the block (DSpark's, train.markov_head) of this rank: each
+    slot's logits get a bias read from the token before it, so drafting is sequential over the
+    block's slots and a draft tree scores each child after its parent's token; 0 = none (independent
+    slots)."""
     mask_token_id: int = -1
-    """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first vocabulary
-    padding row, else an unused special token; see target.loader.choose_mask_token)."""
+    """Embedding row used as MASK; -1 = the store's (a row the target never emits: its first
+    vocabulary padding row, else an unused special token; see target.loader.choose_mask_token)."""
     init_from: str = ""
     """An exported drafter (train.export's directory) whose weights start this run, with a fresh
     optimizer and schedule: to go on training it on new data or on another machine. Its shape, taps
@@ -110,9 +117,9 @@ class TrainConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps (0 = run all epochs)."""
     time_limit: float = 0.0
-    """Seconds this process may train (0 = no limit): the run stops at the last --log-every step whose
-    closing held-out pass and checkpoint (timed as the longest so far) still end within it, and exits 0;
-    --resume continues it (for job schedulers' time limits)."""
+    """Seconds this process may train (0 = no limit): the run stops at the last --log-every step
+    whose closing held-out pass and checkpoint (timed as the longest so far) still end within it,
+    and exits 0; --resume continues it (for job schedulers' time limits)."""
     token_budget: int = 8192
     """Context tokens per micro-batch (batch size x longest sample)."""
     grad_accum: int = 1
@@ -135,19 +142,21 @@ class TrainConfig:
     decoding replayed along the stored responses (train.replay); the best val_decode_tau's weights
     are kept."""
     val_store: str = ""
-    """A store (path or URL) of the same target and tapped layers whose every sample is held out: the
-    held-out evaluations read it instead of val_samples of the training store. For prompts in the
-    format the drafter will be served, answered by the target and kept out of the training data
+    """A store (path or URL) of the same target and tapped layers whose every sample is held out:
+    the held-out evaluations read it instead of val_samples of the training store. For prompts in
+    the format the drafter will be served, answered by the target and kept out of the training data
     (`scripts/scale_run.sh valstore` makes one from the evaluation's spare held-out prompts)."""
     val_every: int = 100
     """Steps between held-out evaluations (and one at the end)."""
     patience: int = 0
-    """Stop once this many held-out evaluations in a row bring no new best val_decode_tau (0 = never);
-    needs val_samples or val_store. The best weights are kept either way (checkpoints/best-STEP)."""
+    """Stop once this many held-out evaluations in a row bring no new best val_decode_tau (0 =
+    never); needs val_samples or val_store. The best weights are kept either way
+    (checkpoints/best-STEP)."""
     val_tree_budget: int = 0
     """Also replay tree decoding at each held-out evaluation: a draft tree of this many nodes per
     step (train.draft_tree, as `train.eval --tree-budget` decodes), logged as val_tree_tau and
-    val_tree_tau_96. The best checkpoint (and patience) then go by val_tree_tau_96. 0 = the chain only."""
+    val_tree_tau_96. The best checkpoint (and patience) then go by val_tree_tau_96. 0 = the chain
+    only."""
     # ------------------------------------------------------------------ checkpoints and logs
     log_every: int = 10
     """Metrics line every N steps."""
@@ -158,44 +167,51 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest checkpoint in out/checkpoints."""
     resume_from: str = ""
-    """With --resume: continue from this checkpoint directory instead of the newest step-N (an earlier
-    good one, when the newest is damaged); the later step-N of the run are set aside (step-N.superseded)."""
+    """With --resume: continue from this checkpoint directory instead of the newest step-N (an
+    earlier good one, when the newest is damaged); the later step-N of the run are set aside
+    (step-N.superseded)."""
     tensorboard: bool = False
     """Also write the metric rows as TensorBoard event files under out/tensorboard."""
     wandb: bool = False
     """Also log the metric rows to Weights & Biases (needs the wandb package)."""
-    # ------------------------------------------------------------------ speed (the same training, faster)
+    # ------------------------------------------------------------------ speed (the same training,
+    # faster)
     attention: str = "auto"
     """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
     split_blocks: bool = False
     """Attend to the context and to each draft block's own keys apart and merge the two by their
-    log-sum-exps (train.attention): the same attention, with no kernel tile spent on the blocks' keys."""
+    log-sum-exps (train.attention): the same attention, with no kernel tile spent on the blocks'
+    keys."""
     context_tile: int = 1
-    """Pad the context with keys no query sees to a multiple of this many tokens, so the draft blocks'
-    keys start on a FlexAttention tile (fewer tiles visited): 1 never pads (default: the path the
-    preset's figures were measured on), 0 pads to FlexAttention's 128-token tile when it runs. Exact
-    (tests/train/test_step.py); the H200 preset pads (docs/benchmarks/2026-12-05_step-levers_h200.md)."""
+    """Pad the context with keys no query sees to a multiple of this many tokens, so the draft
+    blocks' keys start on a FlexAttention tile (fewer tiles visited): 1 never pads (default: the
+    path the preset's figures were measured on), 0 pads to FlexAttention's 128-token tile when it
+    runs. Exact (tests/train/test_step.py); the H200 preset pads
+    (docs/benchmarks/2026-12-05_step-levers_h200.md)."""
     compile: bool = False
-    """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient (GPU)."""
+    """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient
+    (GPU)."""
     loss_chunk: int = 2048
     """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
     loss_backward: str = "fused"
-    """How the lm_head chunks get their gradients: fused (formed in the forward pass; no logits kept,
-    no extra matmul), recompute (checkpointed: logits rebuilt in backward, one more lm_head matmul),
-    keep (every chunk's logits stay alive until backward)."""
+    """How the lm_head chunks get their gradients: fused (formed in the forward pass; no logits
+    kept, no extra matmul), recompute (checkpointed: logits rebuilt in backward, one more lm_head
+    matmul), keep (every chunk's logits stay alive until backward)."""
     grad_reduce: str = "fp32"
     """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
     rounded to bf16 and summed in bf16). One rank: no effect."""
 
     def __post_init__(self) -> None:
-        check_numbers(self, negative_ok=("mask_token_id",))  # every number finite and >= 0; the ranges below
+        # every number finite and >= 0; the ranges below
+        check_numbers(self, negative_ok=("mask_token_id",))
         if not self.store or not self.out:
             raise ValueError("store and out are required")
         if any(layer < 0 for layer in self.layers) or len(set(self.layers)) != len(self.layers):
             raise ValueError(f"layer ids must be distinct and >= 0, got {list(self.layers)}")
-        if self.init_layers and (len(self.init_layers) != self.num_layers or min(self.init_layers) < 0):
-            raise ValueError(f"init_layers needs one layer id >= 0 per drafter layer ({self.num_layers}), "
-                             f"got {list(self.init_layers)}")
+        if self.init_layers and (len(self.init_layers) != self.num_layers
+                                 or min(self.init_layers) < 0):
+            raise ValueError(f"init_layers needs one layer id >= 0 per drafter layer "
+                             f"({self.num_layers}), got {list(self.init_layers)}")
         if self.init_layers and self.init_from:
             raise ValueError("init_layers and init_from both start the drafter's weights: give one")
         if self.block_size < 2:
@@ -209,33 +225,40 @@ class TrainConfig:
         if self.kl_weight > 1:
             raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
         if self.lr == 0 or self.warmup >= 1 or self.clip == 0:  # finite and >= 0: check_numbers
-            raise ValueError(f"lr and clip must be finite and > 0 and warmup in [0, 1), got lr {self.lr}, "
-                             f"clip {self.clip}, warmup {self.warmup}")
+            raise ValueError(f"lr and clip must be finite and > 0 and warmup in [0, 1), got lr "
+                             f"{self.lr}, clip {self.clip}, warmup {self.warmup}")
         if self.resume_from and not self.resume:
-            raise ValueError("resume_from names the checkpoint a --resume continues from: pass --resume too")
+            raise ValueError("resume_from names the checkpoint a --resume continues from: pass "
+                             "--resume too")
         if self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints must be >= 1 (0 would keep no checkpoint), got {self.keep_checkpoints}")
+            raise ValueError("keep_checkpoints must be >= 1 (0 would keep no checkpoint), got "
+                             f"{self.keep_checkpoints}")
         if self.loss_chunk < 1:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.val_every < 1:
             raise ValueError(f"val_every must be >= 1, got {self.val_every}")
         if self.val_samples and self.val_store:
-            raise ValueError("give val_samples (held out of the training store) or val_store, not both (--val-samples 0 "
-                             "beside --val-store where a config file sets val_samples)")
+            raise ValueError("give val_samples (held out of the training store) or val_store, not "
+                             "both (--val-samples 0 beside --val-store where a config file sets "
+                             "val_samples)")
         if self.val_tree_budget and not (self.val_samples or self.val_store):
-            raise ValueError(f"val_tree_budget {self.val_tree_budget} needs val_samples > 0 or a val_store")
+            raise ValueError(f"val_tree_budget {self.val_tree_budget} needs val_samples > 0 or a "
+                             "val_store")
         if self.patience and not (self.val_samples or self.val_store):
             raise ValueError(f"patience {self.patience} needs val_samples > 0 or a val_store")
         if self.node_affine and self.follow:
-            raise ValueError("node_affine splits a finished store's shards among nodes: not with follow")
+            raise ValueError("node_affine splits a finished store's shards among nodes: not with "
+                             "follow")
         if self.val_samples and self.follow:
             raise ValueError("val_samples needs the whole store to choose from: not with follow")
         if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
             raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
         if self.position_weights not in POSITION_WEIGHTS:
-            raise ValueError(f"position_weights must be one of {POSITION_WEIGHTS}, got {self.position_weights!r}")
+            raise ValueError(f"position_weights must be one of {POSITION_WEIGHTS}, got "
+                             f"{self.position_weights!r}")
         if self.loss_backward not in LOSS_BACKWARDS:
-            raise ValueError(f"loss_backward must be one of {LOSS_BACKWARDS}, got {self.loss_backward!r}")
+            raise ValueError(f"loss_backward must be one of {LOSS_BACKWARDS}, got "
+                             f"{self.loss_backward!r}")
         if self.grad_reduce not in GRAD_REDUCES:
             raise ValueError(f"grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}")
         for flag, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
@@ -263,10 +286,12 @@ class TrainConfig:
 
 
 # Fields that may change on --resume without changing what is trained (the store is checked by its
-# content's identity instead of its path: a store moved elsewhere resumes, another at the same path does not).
+# content's identity instead of its path: a store moved elsewhere resumes, another at the same path
+# does not).
 RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
                "follow_timeout", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
-               "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers", "val_every",
+               "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
+               "val_every",
                "patience",
                "loss_chunk", "loss_backward", "grad_reduce",
                "follow", "compile", "out")

@@ -54,24 +54,31 @@ class DecodingState:
         c, dev, dt = drafter.config, embed.device, drafter.fc.weight.dtype
         bs, self.d, self.embed, self.rows, self.key = drafter.block_size, drafter, embed, rows, key
         self.budget, self.width, self.target_dtype = budget, width, target_dtype
-        # a Markov head's tree: each parent's best children kept (config dflash_config tree_child_cap; 0: exact)
+        # a Markov head's tree: each parent's best children kept (config dflash_config
+        # tree_child_cap; 0: exact)
         self.child_cap = int(c.dflash_config.get("tree_child_cap", 0))
-        # [V or N, H], a copy of its own (a later copy_ must not write into the target's weights), kept
-        # in the weight's own layout: a bf16 matmul against the transposed copy ran ~50x slower on a CPU
+        # [V or N, H], a copy of its own (a later copy_ must not write into the target's weights),
+        # kept in the weight's own layout: a bf16 matmul against the transposed copy ran ~50x slower
+        # on a CPU
         self.head = head.to(dt, copy=True).contiguous()
         shape = (1, c.num_key_value_heads, rows, c.head_dim)
         self.k = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
         self.v = [torch.zeros(shape, dtype=dt, device=dev) for _ in drafter.layers]
         self.n = torch.zeros((), dtype=torch.long, device=dev)
-        self.block = torch.full((bs,), drafter.mask_token_id, dtype=torch.long, device=dev)  # [Q] ids
+        # [Q] ids
+        self.block = torch.full((bs,), drafter.mask_token_id, dtype=torch.long, device=dev)
         m = budget + 1 if budget else bs  # tokens one verify sees
-        self.want = torch.zeros(m, dtype=torch.long, device=dev)  # the target's argmax after each verified token
-        self.taps = torch.zeros(1, m, drafter.fc.in_features, dtype=embed.dtype, device=dev)  # the verify's taps
+        # the target's argmax after each verified token
+        self.want = torch.zeros(m, dtype=torch.long, device=dev)
+        # the verify's taps
+        self.taps = torch.zeros(1, m, drafter.fc.in_features, dtype=embed.dtype, device=dev)
         self.row_ids, self.offsets = torch.arange(rows, device=dev), torch.arange(bs, device=dev)
-        # accepted drafts, then the path's node indices [Q-1], then the tokens emitted [Q] (-1 past them)
+        # accepted drafts, then the path's node indices [Q-1], then the tokens emitted [Q] (-1 past
+        # them)
         self.out = torch.zeros(2 * bs, dtype=torch.long, device=dev)
         z = torch.zeros(m, dtype=torch.long, device=dev)
-        self.tree = DraftTree(z.clone(), z.clone(), z.clone(), torch.ones(m, dtype=torch.bool, device=dev),
+        self.tree = DraftTree(z.clone(), z.clone(), z.clone(),
+                              torch.ones(m, dtype=torch.bool, device=dev),
                               torch.zeros(m, device=dev))
         self.anc = torch.ones(m, m, dtype=torch.bool, device=dev)  # [N+1, N+1] ancestor-or-self
         self.use_graph, self.graph = graph, None
@@ -95,7 +102,9 @@ class DecodingState:
             return
         logp, bias = self.d.tree_logp(logits, self.block[0])  # [Q-1, V or N]; a Markov head's bias
         tree = build_tree(logp, self.budget, self.block[0], self.width, bias, self.child_cap)
-        ids = tree.tokens if self.d.draft_ids is None else torch.cat([tree.tokens[:1], self.d.draft_ids[tree.tokens[1:]]])
+        ids = tree.tokens
+        if self.d.draft_ids is not None:  # draft rows -> target ids, the root already one
+            ids = torch.cat([tree.tokens[:1], self.d.draft_ids[tree.tokens[1:]]])
         for mine, new in zip(self.tree, (ids, *tree[1:])):
             mine.copy_(new)
         self.anc.copy_(ancestor_mask(tree.parents, self.block.shape[0] - 1))
@@ -128,11 +137,13 @@ class DecodingState:
         self._draft()
 
     def verify_inputs(self, n: int) -> dict:
-        """The target's inputs for verifying the drafted block or tree whose root is at position n."""
+        """The target's inputs for verifying the drafted block or tree whose root is at position
+        n."""
         if not self.budget:
             return {"input_ids": self.block[None]}
         m = self.budget + 1
-        # the cache holds positions < n, all visible; the tree's nodes see their ancestors and themselves
+        # the cache holds positions < n, all visible; the tree's nodes see their ancestors and
+        # themselves
         see = torch.cat([self.anc.new_ones(m, n), self.anc], 1)  # [N+1, n+N+1]
         mask = torch.zeros(see.shape, dtype=self.target_dtype, device=see.device)
         mask.masked_fill_(~see, torch.finfo(self.target_dtype).min)
@@ -147,7 +158,8 @@ class DecodingState:
         return a, got[1: q], got[q: q + a + 1]
 
     def start(self, taps: torch.Tensor, first: torch.Tensor) -> None:
-        """taps [1, P, K*H] of the prompt, first (0-d) the target's first token: context and first draft."""
+        """taps [1, P, K*H] of the prompt, first (0-d) the target's first token: context and first
+        draft."""
         p = taps.shape[1]
         self._write(taps, self.row_ids[:p])
         self.n.fill_(p)
@@ -156,11 +168,14 @@ class DecodingState:
         self._draft()
 
     def step(self) -> None:
-        """After want and taps hold the verify's results: accept, extend the context, draft the next block."""
+        """After want and taps hold the verify's results: accept, extend the context, draft the next
+        block."""
         if not self.use_graph:
             return self._step()
-        if self.graph is None:  # warm up on a side stream, capture, and undo what the warm-up changed
-            saved = (self.n.clone(), self.block.clone(), [x.clone() for x in self.tree], self.anc.clone())
+        # warm up on a side stream, capture, and undo what the warm-up changed
+        if self.graph is None:
+            saved = (self.n.clone(), self.block.clone(), [x.clone() for x in self.tree],
+                     self.anc.clone())
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

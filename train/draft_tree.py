@@ -41,11 +41,13 @@ __all__ = ["DraftTree", "ancestor_mask", "build_tree", "walk_tree"]
 class DraftTree(NamedTuple):
     """N + 1 nodes, the root first, then the drafted prefixes in rank order."""
 
-    tokens: torch.Tensor  # [..., N+1] long: each node's last token (vocabulary index); the root's is `root`
+    # [..., N+1] long: each node's last token (vocabulary index); the root's is `root`
+    tokens: torch.Tensor
     parents: torch.Tensor  # [..., N+1] long: the parent's node index (the root is its own)
     depths: torch.Tensor  # [..., N+1] long: 0 for the root, d for a prefix of d drafted tokens
     valid: torch.Tensor  # [..., N+1] bool: False where fewer than N prefixes exist (or have p > 0)
-    scores: torch.Tensor  # [..., N+1] float: summed log-probabilities (0 at the root, -inf where invalid)
+    # [..., N+1] float: summed log-probabilities (0 at the root, -inf where invalid)
+    scores: torch.Tensor
 
 
 def _ranked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,22 +64,25 @@ def _pad(x: torch.Tensor, size: int, value: float) -> torch.Tensor:
 
 def _best(x: torch.Tensor, k: int, exact: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., V] -> the k best (values, indices) [..., k] in rank order (padded with -inf / 0 where
-    V < k), ties in index order; `exact` False: a top-k instead of a whole sort, which may pick other
-    tokens among ties at the k-th value (the dependence head's [F, V] rows, where a sort is costly)."""
+    V < k), ties in index order; `exact` False: a top-k instead of a whole sort, which may pick
+    other tokens among ties at the k-th value (the dependence head's [F, V] rows, where a sort is
+    costly)."""
     if exact or k >= x.shape[-1]:
         v, i = _ranked(x)
         return _pad(v, k, float("-inf"))[..., :k], _pad(i, k, 0)[..., :k].long()
     v, i = torch.topk(x, k, dim=-1)
-    i, o = torch.sort(i, dim=-1)  # index order first, so the stable sort by value keeps ties by index
+    # index order first, so the stable sort by value keeps ties by index
+    i, o = torch.sort(i, dim=-1)
     v, o2 = _ranked(v.gather(-1, o))
     return v, i.gather(-1, o2)
 
 
 def build_tree(logp: torch.Tensor, budget: int, root: torch.Tensor | int = 0, width: int = 0,
-               bias: Callable[[torch.Tensor], torch.Tensor] | None = None, child_cap: int = 0) -> DraftTree:
-    """logp [..., D, V] (each drafted slot's log-probabilities), budget N >= 1 -> the DraftTree of the
-    N best prefixes (module docstring). width > 0: at most `width` nodes at each depth (the N best
-    among each depth's `width` best). root: the root's token, a tensor [...] or an int.
+               bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               child_cap: int = 0) -> DraftTree:
+    """logp [..., D, V] (each drafted slot's log-probabilities), budget N >= 1 -> the DraftTree of
+    the N best prefixes (module docstring). width > 0: at most `width` nodes at each depth (the N
+    best among each depth's `width` best). root: the root's token, a tensor [...] or an int.
     bias: a dependence head, token indices [..., P] -> logits [..., P, V] added to the next slot's
     (slot 1's log-probabilities must already hold the root's); child_cap > 0: each parent's best
     children kept (with bias; 0: as many as the depth keeps)."""
@@ -87,14 +92,19 @@ def build_tree(logp: torch.Tensor, budget: int, root: torch.Tensor | int = 0, wi
     f = min(budget, width) if width > 0 else budget  # prefixes kept per depth
     k = min(child_cap, f) if child_cap > 0 and bias is not None else f  # children per parent
     logp = logp.float()
-    # [..., D or 1, F]: each slot's tokens, best first; with a head only slot 1's list is shared by all
+    # [..., D or 1, F]: each slot's tokens, best first; with a head only slot 1's list is shared by
+    # all
     tv, ti = _best(logp if bias is None else logp[..., :1, :], f)
-    scores, parent_slot, tokens = [tv[..., 0, :]], [torch.zeros_like(ti[..., 0, :])], [ti[..., 0, :]]
-    for d in range(1, d_slots):  # depth d+1: the F best of F parents x K tokens, parents' order first
+    scores, tokens = [tv[..., 0, :]], [ti[..., 0, :]]
+    parent_slot = [torch.zeros_like(ti[..., 0, :])]
+    # depth d+1: the F best of F parents x K tokens, parents' order first
+    for d in range(1, d_slots):
         if bias is None:
-            cv, ci = tv[..., d, None, :], ti[..., d, None, :].expand(*batch, f, f)  # [..., 1, F], [..., F, F]
+            # [..., 1, F], [..., F, F]
+            cv, ci = tv[..., d, None, :], ti[..., d, None, :].expand(*batch, f, f)
         else:
-            cond = torch.log_softmax(logp[..., d, None, :] + bias(tokens[-1]).float(), -1)  # [..., F, V]
+            # [..., F, V]
+            cond = torch.log_softmax(logp[..., d, None, :] + bias(tokens[-1]).float(), -1)
             cv, ci = _best(cond, k, exact=False)  # [..., F, K]
         cand = (scores[-1][..., :, None] + cv).flatten(-2)  # [..., F*K]
         s, idx = _ranked(cand)
@@ -105,16 +115,20 @@ def build_tree(logp: torch.Tensor, budget: int, root: torch.Tensor | int = 0, wi
     return _assemble(scores, parent_slot, tokens, budget, f, root, batch, logp.device)
 
 
-def _assemble(scores: list[torch.Tensor], parent_slot: list[torch.Tensor], tokens: list[torch.Tensor], budget: int,
-              f: int, root: torch.Tensor | int, batch: list[int], device: torch.device) -> DraftTree:
+def _assemble(scores: list[torch.Tensor], parent_slot: list[torch.Tensor],
+              tokens: list[torch.Tensor], budget: int,
+              f: int, root: torch.Tensor | int, batch: list[int],
+              device: torch.device) -> DraftTree:
     """Each depth's F kept prefixes (score, parent's rank in the depth above, token) [..., F] -> the
     DraftTree of the N best over all depths."""
     flat_s = torch.cat(scores, -1)  # [..., D*F], depth-major: ties go to the shallower
     s, order = _ranked(_pad(flat_s, budget, float("-inf")))
-    s, order = s[..., :budget], order[..., :budget]  # [..., N] flat indices of the nodes, best first
+    # [..., N] flat indices of the nodes, best first
+    s, order = s[..., :budget], order[..., :budget]
     valid = s > float("-inf")
     order = torch.where(valid, order, 0)
-    # flat index -> node index (1..N), 0 if not chosen; the invalid nodes write to a spare last column
+    # flat index -> node index (1..N), 0 if not chosen; the invalid nodes write to a spare last
+    # column
     node_of = torch.zeros((*batch, flat_s.shape[-1] + 1), dtype=torch.long, device=device)
     node_of.scatter_(-1, torch.where(valid, order, flat_s.shape[-1]),
                      torch.arange(1, budget + 1, device=device).expand(order.shape))
@@ -133,8 +147,9 @@ def _assemble(scores: list[torch.Tensor], parent_slot: list[torch.Tensor], token
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """parents [..., M] (the root its own parent, every node within max_depth of it) -> bool [..., M, M]:
-    [i, j] True where node j is node i or one of its ancestors (what node i attends to in the tree)."""
+    """parents [..., M] (the root its own parent, every node within max_depth of it) -> bool [...,
+    M, M]: [i, j] True where node j is node i or one of its ancestors (what node i attends to in the
+    tree)."""
     m = parents.shape[-1]
     cur = torch.arange(m, device=parents.device).expand(parents.shape).clone()  # [..., M]
     out = torch.zeros((*parents.shape, m), dtype=torch.bool, device=parents.device)
@@ -144,23 +159,27 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return out
 
 
-def walk_tree(tree: DraftTree, want: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def walk_tree(tree: DraftTree, want: torch.Tensor,
+              max_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Follow `want` down the tree from the root: at node i, go to i's child whose token is want[i].
 
     want [..., N+1]: the token the walk asks for after each node (in verification the target's
     greedy choice after it; replayed along a known answer, the answer's token at the node's depth).
-    Returns (accepted [...] long: nodes matched below the root; path [..., max_depth] long: their node
-    indices in depth order, 0 past the accepted ones; last [...] long: the node the walk ends on)."""
+    Returns (accepted [...] long: nodes matched below the root; path [..., max_depth] long: their
+    node indices in depth order, 0 past the accepted ones; last [...] long: the node the walk ends
+    on)."""
     n1 = tree.tokens.shape[-1]
     is_node = tree.valid & (torch.arange(n1, device=want.device) > 0)  # [..., N+1]
     cur = torch.zeros(want.shape[:-1], dtype=torch.long, device=want.device)
     path, accepted = [], torch.zeros_like(cur)
     for _ in range(max_depth):
         asked = want.gather(-1, cur[..., None])  # [..., 1]
-        match = is_node & (tree.parents == cur[..., None]) & (tree.tokens == asked)  # siblings differ: one at most
+        # siblings differ: one at most
+        match = is_node & (tree.parents == cur[..., None]) & (tree.tokens == asked)
         has = match.any(-1)
         nxt = match.long().argmax(-1)
-        cur = torch.where(has, nxt, cur)  # a miss stays a miss: the next depth asks the same node again
+        # a miss stays a miss: the next depth asks the same node again
+        cur = torch.where(has, nxt, cur)
         path.append(torch.where(has, nxt, 0))
         accepted = accepted + has.long()
     return accepted, torch.stack(path, -1), cur

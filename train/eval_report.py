@@ -16,7 +16,8 @@ from typing import Any
 from chat.prompts import domain_of
 from train.acceptance import per_response_tau
 
-__all__ = ["Tally", "by_source", "plot", "source_of", "summary", "tau_so_far", "teacher_forced_figures",
+__all__ = ["Tally", "by_source", "plot", "source_of", "summary", "tau_so_far",
+           "teacher_forced_figures",
            "vocab_coverage"]
 
 
@@ -38,7 +39,8 @@ def summary(r: list[dict[str, Any]], hist: Counter, t: Tally, which: str, drafte
     new_tokens, spec_fw = sum(x["new_tokens"] for x in r), sum(x["target_forwards"] for x in r)
     return {
         "tau": new_tokens / max(1, spec_fw),
-        # the DFlash reference benchmark's count (per response, drafting steps only), for figures from peers
+        # the DFlash reference benchmark's count (per response, drafting steps only), for figures
+        # from peers
         "tau_per_response": per_response_tau([x["accepted"] for x in r]),
         "lossless": all(x["lossless"] for x in r),
         "lossless_dtype": str(model.dtype).replace("torch.", ""),
@@ -51,8 +53,9 @@ def summary(r: list[dict[str, Any]], hist: Counter, t: Tally, which: str, drafte
         "baseline_tokens_per_s": new_tokens / max(t.base_s, 1e-9),
         "speedup": t.base_s / max(t.spec_s[which], 1e-9),
         "baseline_prompt_lookup_tau": t.pl_tokens / max(1, t.pl_fw) if prompt_lookup else None,
-        "baseline_prompt_lookup_speedup": ((t.base_s / max(t.pl_s, 1e-9)) * (t.pl_tokens / max(1, new_tokens))
-                                           if prompt_lookup else None),
+        "baseline_prompt_lookup_speedup": (
+            (t.base_s / max(t.pl_s, 1e-9)) * (t.pl_tokens / max(1, new_tokens))
+            if prompt_lookup else None),
         "acceptance_histogram": {str(k): hist[k] for k in sorted(hist)},
         **by_source(r),
         **vocab_coverage(r),
@@ -85,15 +88,16 @@ def _domain(row: dict[str, Any]) -> str:
 def vocab_coverage(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The share of the target's greedy tokens that the drafter's vocabulary holds, overall and per
     domain: a token outside it is a certain miss, so this caps τ where the prompts bring words the
-    training answers lacked (a draft vocabulary's coverage of its own training answers reads higher);
-    and the share of rejections that fell on such a token."""
+    training answers lacked (a draft vocabulary's coverage of its own training answers reads
+    higher); and the share of rejections that fell on such a token."""
     keys = ("in_draft_vocab", "greedy_tokens", "rejections_outside_vocab", "rejections")
     dom = _sums_by(rows, _domain, keys)
     tot = [sum(v[i] for v in dom.values()) for i in range(len(keys))]
     share = lambda a, b: a / max(1, b)  # noqa: E731
     return {"draft_vocab_coverage": share(tot[0], tot[1]),
             "draft_vocab_coverage_by_domain": {k: share(v[0], v[1]) for k, v in dom.items()},
-            # of the drafting steps that ended on a rejected draft, the share whose token the drafter could not propose
+            # of the drafting steps that ended on a rejected draft, the share whose token the
+            # drafter could not propose
             "rejections_outside_vocab": share(tot[2], tot[3]),
             "rejections_outside_vocab_by_domain": {k: share(v[2], v[3]) for k, v in dom.items()}}
 
@@ -102,11 +106,14 @@ def teacher_forced_figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """τ at every anchor (sim_tau's counterpart), overall and per domain; τ of the implied decode,
     and the share of prompts whose implied decode took exactly decoding's steps."""
     dom = _sums_by(rows, _domain, ("tf_anchor_sum", "tf_anchors"))
-    return {"tau_all_anchors": sum(r["tf_anchor_sum"] for r in rows) / max(1, sum(r["tf_anchors"] for r in rows)),
-            "anchors": sum(r["tf_anchors"] for r in rows),
+    anchors = sum(r["tf_anchors"] for r in rows)
+    chain_forwards = sum(r["tf_chain_forwards"] for r in rows)
+    return {"tau_all_anchors": sum(r["tf_anchor_sum"] for r in rows) / max(1, anchors),
+            "anchors": anchors,
             "tau_all_anchors_by_domain": {k: v[0] / max(1, v[1]) for k, v in dom.items()},
-            "tau_chain": sum(r["new_tokens"] for r in rows) / max(1, sum(r["tf_chain_forwards"] for r in rows)),
-            "chain_equals_decode": sum(r["tf_chain_equals_decode"] for r in rows) / max(1, len(rows))}
+            "tau_chain": sum(r["new_tokens"] for r in rows) / max(1, chain_forwards),
+            "chain_equals_decode": (sum(r["tf_chain_equals_decode"] for r in rows)
+                                    / max(1, len(rows)))}
 
 
 def source_of(name: str) -> str:
@@ -115,15 +122,19 @@ def source_of(name: str) -> str:
 
 
 def by_source(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """τ per prompt source ("gsm8k/3" -> "gsm8k", "file.jsonl:7" -> "file.jsonl"), token-weighted like the overall τ."""
-    keys = ("new_tokens", "target_forwards", "prompt_lookup_new_tokens", "prompt_lookup_target_forwards")
+    """τ per prompt source ("gsm8k/3" -> "gsm8k", "file.jsonl:7" -> "file.jsonl"), token-weighted
+    like the overall τ."""
+    keys = ("new_tokens", "target_forwards", "prompt_lookup_new_tokens",
+            "prompt_lookup_target_forwards")
     acc = _sums_by(rows, lambda r: source_of(r["prompt"]), keys)
     dom = _sums_by(rows, _domain, keys)
     pl = any(v[3] for v in acc.values())  # prompt lookup was run (not with --no-prompt-lookup)
     return {"tau_by_source": {k: v[0] / max(1, v[1]) for k, v in acc.items()},
-            "prompt_lookup_tau_by_source": {k: v[2] / max(1, v[3]) for k, v in acc.items()} if pl else None,
+            "prompt_lookup_tau_by_source": ({k: v[2] / max(1, v[3]) for k, v in acc.items()}
+                                            if pl else None),
             "tau_by_domain": {k: v[0] / max(1, v[1]) for k, v in dom.items()},
-            "prompt_lookup_tau_by_domain": {k: v[2] / max(1, v[3]) for k, v in dom.items()} if pl else None}
+            "prompt_lookup_tau_by_domain": {k: v[2] / max(1, v[3])
+                                            for k, v in dom.items()} if pl else None}
 
 
 def plot(res: dict[str, Any], path: Path) -> None:

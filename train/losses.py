@@ -46,12 +46,14 @@ class LossOut(dict):
     `replay`, also accepts [b, N] (accepted drafts per block: train.replay.block_accepts)."""
 
 
-def _loss_rows(logits, labels, t_logits, kl_weight: float, divergence: str = "kl", penalty: float = 0.0):
+def _loss_rows(logits, labels, t_logits, kl_weight: float, divergence: str = "kl",
+               penalty: float = 0.0):
     """From one chunk's logits [c, V] (and the teacher's, or None): per-row loss [c], student
     log-probs [c, V] (float32), its softmax [c, V] where TV or the penalty needed it (else None),
-    teacher probs [c, V] (or None), argmax hits [c], the student's entropy [c] (or None). The row loss
-    is (1 - w) CE + w D - penalty H, D = KL(teacher || student) or TV = 0.5 sum |student - teacher|,
-    H the student's entropy (the confidence penalty of Pereyra et al. 2017, arXiv 1701.06548)."""
+    teacher probs [c, V] (or None), argmax hits [c], the student's entropy [c] (or None). The row
+    loss is (1 - w) CE + w D - penalty H, D = KL(teacher || student) or TV = 0.5 sum |student -
+    teacher|, H the student's entropy (the confidence penalty of Pereyra et al. 2017, arXiv
+    1701.06548)."""
     logp = F.log_softmax(logits.float(), dim=-1)
     loss = -logp.gather(1, labels[:, None])[:, 0] * (1 - kl_weight)
     q = t_p = ent = None
@@ -72,18 +74,23 @@ def _loss_rows(logits, labels, t_logits, kl_weight: float, divergence: str = "kl
 
 def _chunk_terms(h, lm_head, labels, teacher, kl_weight, divergence="kl", penalty=0.0):
     t_logits = teacher @ lm_head.T if kl_weight > 0 else None
-    loss, _, _, _, hit, _ = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight, divergence, penalty)
+    loss, _, _, _, hit, _ = _loss_rows(h @ lm_head.T, labels, t_logits, kl_weight, divergence,
+                                       penalty)
     return loss, hit
 
 
-def _head_grad(logits, labels, t_logits, kl_weight: float, divergence: str = "kl", penalty: float = 0.0):
-    """One chunk's per-row loss [c], d(row loss)/d(logits) [c, V] in the logits' dtype, and hits [c]:
-    with q the softmax, d = (1 - w)(q - onehot) + w dD + penalty q (log q + H), where dD = q - p_teacher
-    for KL and, for TV, 0.5 q (s - <s, q>) with s = sign(q - p_teacher) (the softmax's Jacobian applied
-    to 0.5 s); the last term is -dH/dlogits."""
-    loss, logp, q, t_p, hit, ent = _loss_rows(logits, labels, t_logits, kl_weight, divergence, penalty)
-    conf = q * (logp + ent[:, None]) if ent is not None else None  # [c, V], before q is reused in place
-    d = logp.exp_() if q is None else q  # the softmax: TV's, or in place of the log-probs (no longer needed)
+def _head_grad(logits, labels, t_logits, kl_weight: float, divergence: str = "kl",
+               penalty: float = 0.0):
+    """One chunk's per-row loss [c], d(row loss)/d(logits) [c, V] in the logits' dtype, and hits
+    [c]: with q the softmax, d = (1 - w)(q - onehot) + w dD + penalty q (log q + H), where dD = q -
+    p_teacher for KL and, for TV, 0.5 q (s - <s, q>) with s = sign(q - p_teacher) (the softmax's
+    Jacobian applied to 0.5 s); the last term is -dH/dlogits."""
+    loss, logp, q, t_p, hit, ent = _loss_rows(logits, labels, t_logits, kl_weight, divergence,
+                                              penalty)
+    # [c, V], before q is reused in place
+    conf = q * (logp + ent[:, None]) if ent is not None else None
+    # the softmax: TV's, or in place of the log-probs (no longer needed)
+    d = logp.exp_() if q is None else q
     if t_p is not None and divergence == "tv":
         s = torch.sign(d - t_p)  # [c, V]
         tv = 0.5 * d * (s - (s * d).sum(-1, keepdim=True))
@@ -112,15 +119,18 @@ class _FusedHeadLoss(torch.autograd.Function):
     gradient by its weight), so weights built from this very forward's hits cost nothing extra."""
 
     @staticmethod
-    def forward(ctx, rows, lm_head, labels, teacher, kl_weight, divergence, penalty, chunk, compiled):
+    def forward(ctx, rows, lm_head, labels, teacher, kl_weight, divergence, penalty,
+                chunk, compiled):
         head_grad = _compiled_head_grad() if compiled else _head_grad
         losses, grads, hits = [], [], []
         for i in range(0, len(rows), chunk):
             sl = slice(i, i + chunk)
             t_logits = teacher[sl] @ lm_head.T if teacher is not None else None  # [c, V]
-            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], t_logits, kl_weight, divergence, penalty)
+            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], t_logits, kl_weight,
+                                     divergence, penalty)
             losses.append(part)
-            grads.append((d @ lm_head).to(rows.dtype))  # [c, H]; d has the logits' (= lm_head's) dtype
+            # [c, H]; d has the logits' (= lm_head's) dtype
+            grads.append((d @ lm_head).to(rows.dtype))
             hits.append(hit)
         ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(rows))
         loss = torch.cat(losses) if losses else rows.new_zeros(0, dtype=torch.float32)
@@ -138,18 +148,23 @@ def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, 
     """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks."""
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and backward == "fused":
-        return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight, divergence, penalty,
+        return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight,
+                                    divergence, penalty,
                                     chunk, compiled)
     losses, hits = [], []
     for i in range(0, len(rows), chunk):
         sl = slice(i, i + chunk)
-        args = (rows[sl], lm_head, lab[sl], tea[sl] if tea is not None else None, kl_weight, divergence, penalty)
-        part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False) if grad and backward == "recompute" \
-            else _chunk_terms(*args)
+        args = (rows[sl], lm_head, lab[sl], tea[sl] if tea is not None else None, kl_weight,
+                divergence, penalty)
+        if grad and backward == "recompute":
+            part, hit = checkpoint(_chunk_terms, *args, use_reentrant=False)
+        else:
+            part, hit = _chunk_terms(*args)
         losses.append(part)
         hits.append(hit)
     if not losses:
-        return rows.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.bool, device=rows.device)
+        return (rows.new_zeros(0, dtype=torch.float32),
+                torch.zeros(0, dtype=torch.bool, device=rows.device))
     return torch.cat(losses), torch.cat(hits)
 
 
@@ -162,33 +177,36 @@ def _with_head(rows, lm_head, tea, bias_rows, bias_head):
     return rows, lm_head, F.pad(tea, (0, bias_head.shape[1])) if tea is not None else None
 
 
-def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
+def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *,
+               block_size: int,
                gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
                divergence: str = "kl", confidence_penalty: float = 0.0, chunk: int = 2048,
                backward: str = "fused", compiled: bool = False,
                weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
                spans: torch.Tensor | None = None, replay: bool = False,
-               bias_rows: torch.Tensor | None = None, bias_head: torch.Tensor | None = None) -> LossOut:
+               bias_rows: torch.Tensor | None = None,
+               bias_head: torch.Tensor | None = None) -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss) indexing lm_head's rows
-    (OUT_OF_VOCAB: a token a draft vocabulary lacks, no loss and never a hit); teacher [B, Q, H] or None.
+    (OUT_OF_VOCAB: a token a draft vocabulary lacks, no loss and never a hit); teacher [B, Q, H] or
+    None.
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
     distribution is the soft label for token p+k, weighted kl_weight against CE through
-    `divergence` (kl: forward KL, tv: total variation). `confidence_penalty` beta subtracts beta times
-    the drafter's entropy from each row's loss (Pereyra et al. 2017), so its runners-up keep some
-    probability for a draft tree's siblings. `backward` picks how the chunks' gradients are
+    `divergence` (kl: forward KL, tv: total variation). `confidence_penalty` beta subtracts beta
+    times the drafter's entropy from each row's loss (Pereyra et al. 2017), so its runners-up keep
+    some probability for a draft tree's siblings. `backward` picks how the chunks' gradients are
     made: "fused" forms each chunk's row gradient in the forward pass (no logits kept, no extra
-    matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more lm_head
-    matmul), "keep" leaves every chunk's logits alive until backward (most memory). `compiled`
-    runs the fused path's per-chunk softmax and gradient through torch.compile.
+    matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more
+    lm_head matmul), "keep" leaves every chunk's logits alive until backward (most memory).
+    `compiled` runs the fused path's per-chunk softmax and gradient through torch.compile.
 
     The row weights are the position decay exp(-(k-1)/gamma) unless `weighting` asks for
     decode-aware ones, built from this forward's own hits (train.replay): `anchors` and `spans`
     [B, N] are the blocks' anchor positions and response spans, needed for the anchor weights and
     for `replay` (the accepted drafts per block, returned as "accepts").
 
-    bias_rows [B, Q, r], bias_head [V, r]: a Markov head (train.markov_head) adds bias_rows @ bias_head.T
-    to the logits; "fused" then runs as "recompute" (it makes no gradient for the head).
+    bias_rows [B, Q, r], bias_head [V, r]: a Markov head (train.markov_head) adds bias_rows @
+    bias_head.T to the logits; "fused" then runs as "recompute" (it makes no gradient for the head).
     """
     if backward not in LOSS_BACKWARDS:
         raise ValueError(f"backward must be one of {LOSS_BACKWARDS}, got {backward!r}")
@@ -200,39 +218,46 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     slot = torch.arange(q, device=hidden.device) % block_size
     keep = labels != IGNORE
     rows, lab, s = hidden[keep], labels[keep], slot.expand(b, q)[keep]
-    # a label the draft vocabulary lacks (train.vocab): no loss, and a miss in the acceptance figures
+    # a label the draft vocabulary lacks (train.vocab): no loss, and a miss in the acceptance
+    # figures
     in_vocab = lab != OUT_OF_VOCAB
     # the store's teacher states are bf16; on CPU the drafter trains in float32 (no autocast)
     tea = teacher[keep].to(rows.dtype) if teacher is not None else None
     if kl_weight > 0 and tea is None:
-        raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state (extract with --last-hidden)")
+        raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state "
+                         "(extract with --last-hidden)")
     if bias_rows is not None:
         rows, lm_head, tea = _with_head(rows, lm_head, tea, bias_rows[keep], bias_head)
         backward = "recompute" if backward == "fused" else backward
-    row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence, confidence_penalty, chunk,
-                                backward, compiled)
+    row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence,
+                                confidence_penalty, chunk, backward, compiled)
     hit = hit & in_vocab
-    loss, wsum, dense = _weighted_mean(row_loss, hit, keep, in_vocab, weighting or Weighting(), anchors, spans,
-                                       block_size=block_size, gamma=gamma, replay=replay)
+    loss, wsum, dense = _weighted_mean(row_loss, hit, keep, in_vocab, weighting or Weighting(),
+                                       anchors, spans, block_size=block_size, gamma=gamma,
+                                       replay=replay)
     correct = torch.zeros(block_size, device=hidden.device).index_add_(0, s, hit.float())
-    count = torch.zeros(block_size, device=hidden.device).index_add_(0, s, torch.ones_like(hit, dtype=torch.float32))
-    out = LossOut(loss=loss, weight_sum=wsum.detach(), correct=correct.detach(), count=count.detach())
+    ones = torch.ones_like(hit, dtype=torch.float32)
+    count = torch.zeros(block_size, device=hidden.device).index_add_(0, s, ones)
+    out = LossOut(loss=loss, weight_sum=wsum.detach(), correct=correct.detach(),
+                  count=count.detach())
     if replay:
         out["accepts"] = block_accepts(dense)
     return out
 
 
-def _weighted_mean(row_loss, hit, keep, in_vocab, weighting: Weighting, anchors, spans, *, block_size: int,
+def _weighted_mean(row_loss, hit, keep, in_vocab, weighting: Weighting, anchors, spans, *,
+                   block_size: int,
                    gamma: float, replay: bool):
-    """The labelled rows' loss [n] averaged by their weights: (loss, weight sum, and the hits laid out
-    by block [B, N, bs] where the weights or `replay` need them, else None). keep [B, Q] marks the
-    labelled rows, hit and in_vocab [n] are theirs."""
+    """The labelled rows' loss [n] averaged by their weights: (loss, weight sum, and the hits laid
+    out by block [B, N, bs] where the weights or `replay` need them, else None). keep [B, Q] marks
+    the labelled rows, hit and in_vocab [n] are theirs."""
     b, q = keep.shape
     dense = None
     if replay or weighting.decode_aware:
         dense = torch.zeros(b, q, dtype=torch.bool, device=keep.device).masked_scatter_(keep, hit)
         dense = dense.view(b, q // block_size, block_size)  # [B, N, bs]
-    w_all = weighting.row_weights(dense, keep, anchors, spans, block_size=block_size, gamma=gamma)  # [B, Q]
+    # [B, Q]
+    w_all = weighting.row_weights(dense, keep, anchors, spans, block_size=block_size, gamma=gamma)
     w = w_all[keep] * in_vocab
     wsum = w.sum()
     return (row_loss * w).sum() / wsum.clamp(min=1e-12), wsum, dense
@@ -246,11 +271,13 @@ class Weighting:
     """decay: exp(-(k-1)/gamma) per slot k (DFlash Eq. 4); reach: each slot by the accepted tokens
     it leads to in this batch (train.replay.reach_weights)."""
     visit_weight: float = 0.0
-    """Extra weight of the blocks whose anchors decoding with the current drafter visits (0: none)."""
+    """Extra weight of the blocks whose anchors decoding with the current drafter visits (0:
+    none)."""
 
     def __post_init__(self) -> None:
         if self.position not in POSITION_WEIGHTS:
-            raise ValueError(f"position weights must be one of {POSITION_WEIGHTS}, got {self.position!r}")
+            raise ValueError(f"position weights must be one of {POSITION_WEIGHTS}, got "
+                             f"{self.position!r}")
         if not self.visit_weight >= 0:
             raise ValueError(f"visit_weight must be >= 0, got {self.visit_weight}")
 
@@ -258,11 +285,14 @@ class Weighting:
     def decode_aware(self) -> bool:
         return self.position != "decay" or self.visit_weight > 0
 
-    def row_weights(self, hit: torch.Tensor | None, keep: torch.Tensor, anchors: torch.Tensor | None,
+    def row_weights(self, hit: torch.Tensor | None, keep: torch.Tensor,
+                    anchors: torch.Tensor | None,
                     spans: torch.Tensor | None, *, block_size: int, gamma: float) -> torch.Tensor:
-        """float32 [B, Q] loss weight of each query row (0 where unlabelled is harmless: those rows are dropped).
+        """float32 [B, Q] loss weight of each query row (0 where unlabelled is harmless: those rows
+        are dropped).
 
-        hit [B, N, bs] (this forward's hits; needed when decode_aware), keep [B, Q] labelled rows."""
+        hit [B, N, bs] (this forward's hits; needed when decode_aware), keep [B, Q] labelled
+        rows."""
         b, q = keep.shape
         if self.position == "reach":
             per_slot = reach_weights(hit, keep.view(hit.shape))
@@ -279,4 +309,5 @@ class Weighting:
 
 def default_gamma(block_size: int) -> float:
     """gamma = 7 for block 16, 5 for 10, 4 for 8 (DFlash paper); interpolated elsewhere."""
-    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 7.0 * math.log(block_size) / math.log(16)))
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size,
+                                          max(1.0, 7.0 * math.log(block_size) / math.log(16)))

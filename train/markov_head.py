@@ -26,7 +26,8 @@ __all__ = ["MarkovHead", "markov_chain", "tree_inputs"]
 
 
 class MarkovHead(nn.Module):
-    """markov_w1 [V, r] (embedding of the previous token), markov_w2 [N, r] (rank r onto the logits)."""
+    """markov_w1 [V, r] (embedding of the previous token), markov_w2 [N, r] (rank r onto the
+    logits)."""
 
     def __init__(self, vocab_size: int, out_size: int, rank: int) -> None:
         super().__init__()
@@ -36,30 +37,33 @@ class MarkovHead(nn.Module):
         self.markov_w2 = nn.Linear(rank, out_size, bias=False)
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:
-        """prev [...] target ids (the token before each slot) -> [..., N] logit bias of that slot."""
+        """prev [...] target ids (the token before each slot) -> [..., N] logit bias of that
+        slot."""
         return self.markov_w2(self.markov_w1(prev))
 
 
 def markov_chain(logits: torch.Tensor, root: torch.Tensor, head: MarkovHead,
                  draft_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Greedy drafting with the head: logits [D, N] (the drafter's, slots 1..D), root (0-d) the block's
-    first token -> [D] target ids, slot k's argmax of logits[k - 1] + bias(slot k - 1's token).
-    draft_ids [N]: the target id of each output row (a draft vocabulary), None when N = V."""
+    """Greedy drafting with the head: logits [D, N] (the drafter's, slots 1..D), root (0-d) the
+    block's first token -> [D] target ids, slot k's argmax of logits[k - 1] + bias(slot k - 1's
+    token). draft_ids [N]: the target id of each output row (a draft vocabulary), None when N =
+    V."""
     out, prev = [], root.reshape(())
     for d in range(logits.shape[0]):
         idx = (logits[d].float() + head(prev).float()).argmax(-1)
-        # a gather, not draft_ids[idx]: indexing by a 0-d tensor reads it on the host, which a CUDA graph's
-        # capture refuses
+        # a gather, not draft_ids[idx]: indexing by a 0-d tensor reads it on the host, which a CUDA
+        # graph's capture refuses
         prev = idx if draft_ids is None else draft_ids.index_select(0, idx.reshape(1)).reshape(())
         out.append(prev)
     return torch.stack(out)
 
 
-def tree_inputs(logits: torch.Tensor, root: torch.Tensor, head: MarkovHead, draft_ids: torch.Tensor | None = None):
-    """What draft_tree.build_tree takes for a drafter with the head: logits [..., D, N] of the block's
-    slots and root [...] (each block's first token, a target id) -> (log-probs [..., D, N], slot 1's
-    after the root; the bias: output rows [..., P] of the parents -> [..., P, N] logits of their
-    children). draft_ids [N]: the target id of each output row, None when N = V."""
+def tree_inputs(logits: torch.Tensor, root: torch.Tensor, head: MarkovHead,
+                draft_ids: torch.Tensor | None = None):
+    """What draft_tree.build_tree takes for a drafter with the head: logits [..., D, N] of the
+    block's slots and root [...] (each block's first token, a target id) -> (log-probs [..., D, N],
+    slot 1's after the root; the bias: output rows [..., P] of the parents -> [..., P, N] logits of
+    their children). draft_ids [N]: the target id of each output row, None when N = V."""
     logits = logits.float()
     first = logits[..., :1, :] + head(root)[..., None, :].float()  # [..., 1, N]
     logp = torch.log_softmax(torch.cat([first, logits[..., 1:, :]], -2), -1)

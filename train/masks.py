@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLEX_TILE", "block_tiles", "dense_context_mask", "dense_mask", "flex_block_mask", "flex_context_mask",
+__all__ = ["FLEX_TILE", "block_tiles", "dense_context_mask", "dense_mask", "flex_block_mask",
+           "flex_context_mask",
            "use_flex_attention"]
 
 FLEX_TILE = 128  # the BlockMask tile: query rows x keys the kernels take or skip as one
@@ -21,24 +22,27 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
     """anchors [B, N] (-1 = padding) -> bool [B, N*bs, ctx_len + N*bs], True = may attend."""
     b, n = anchors.shape
     q_blk = torch.arange(n * block_size, device=anchors.device) // block_size  # [Q]
-    own = (q_blk[:, None] == q_blk[None, :]).expand(b, -1, -1)  # [B, Q, Q]: the keys of the row's own block
+    # [B, Q, Q]: the keys of the row's own block
+    own = (q_blk[:, None] == q_blk[None, :]).expand(b, -1, -1)
     return torch.cat([dense_context_mask(anchors, ctx_len, block_size), own], dim=-1)
 
 
 def dense_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """The context part of dense_mask alone: anchors [B, N] -> bool [B, N*bs, ctx_len] (train.attention)."""
+    """The context part of dense_mask alone: anchors [B, N] -> bool [B, N*bs, ctx_len]
+    (train.attention)."""
     q_blk = torch.arange(anchors.shape[1] * block_size, device=anchors.device) // block_size  # [Q]
     return torch.arange(ctx_len, device=anchors.device)[None, None] < anchors[:, q_blk, None]
 
 
 def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE, *,
                 blocks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which [tile x tile] tiles of the mask are partly and which fully visible, straight from the anchors.
+    """Which [tile x tile] tiles of the mask are partly and which fully visible, straight from the
+    anchors.
 
-    anchors [B, N] -> (partial, full), bool [B, QT, KVT] with QT = ceil(N*bs / tile), KVT = ceil(KV / tile).
-    Exactly what create_block_mask finds by evaluating the mask over the whole [Q, KV] grid (rows
-    and keys past the ends count as hidden, so a tile that crosses an end is never full), but with
-    no grid and no compile: per query row only the row's anchor and own block matter. With
+    anchors [B, N] -> (partial, full), bool [B, QT, KVT] with QT = ceil(N*bs / tile), KVT = ceil(KV
+    / tile). Exactly what create_block_mask finds by evaluating the mask over the whole [Q, KV] grid
+    (rows and keys past the ends count as hidden, so a tile that crosses an end is never full), but
+    with no grid and no compile: per query row only the row's anchor and own block matter. With
     blocks=False the keys are the context's alone (KV = ctx_len: dense_context_mask's tiles).
     """
     b, n = anchors.shape
@@ -59,7 +63,8 @@ def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int 
     some = lo < a.clamp(0, ctx_len)  # [B, R, KVT]
     if blocks:
         some = some | (torch.maximum(lo, own_lo) < torch.minimum(hi, own_hi))
-    # every key visible: the tile's context part below the anchor, its block part inside the own block
+    # every key visible: the tile's context part below the anchor, its block part inside the own
+    # block
     every = (hi <= kv_len) & ((lo >= ctx_len) | (ctx_hi <= a)) & \
         ((hi <= ctx_len) | ((own_lo <= lo.clamp(min=ctx_len)) & (hi <= own_hi)))
     some = (some & exists[None, :, None]).view(b, qt, tile, kvt).any(2)
@@ -68,17 +73,20 @@ def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int 
 
 
 def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool [B, QT, KVT] -> (count [B, 1, QT], indices [B, 1, QT, KVT]): the set tiles' kv indices first, ascending."""
+    """bool [B, QT, KVT] -> (count [B, 1, QT], indices [B, 1, QT, KVT]): the set tiles' kv indices
+    first, ascending."""
     idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
     return tiles.sum(-1, dtype=torch.int32)[:, None], idx.to(torch.int32)[:, None]
 
 
-def _block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, tile: int, seq_lengths: tuple[int, int]):
+def _block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, tile: int,
+                seq_lengths: tuple[int, int]):
     """A FlexAttention BlockMask (H=None) from block_tiles' partly and fully visible tiles."""
     from torch.nn.attention.flex_attention import BlockMask
 
     (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile),
+                                    mask_mod=mask_mod,
                                     seq_lengths=seq_lengths)
 
 
@@ -99,7 +107,8 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: 
         own = (kv_idx - ctx_len) // block_size == q_blk
         return (in_ctx & (kv_idx < anchor)) | (~in_ctx & own)
 
-    return _block_mask(*block_tiles(anchors, ctx_len, block_size, tile), mask_mod, tile, (q_len, ctx_len + q_len))
+    return _block_mask(*block_tiles(anchors, ctx_len, block_size, tile), mask_mod, tile,
+                       (q_len, ctx_len + q_len))
 
 
 def flex_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE):
@@ -109,24 +118,28 @@ def flex_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile
     def mask_mod(bi, _h, q_idx, kv_idx):
         return kv_idx < anchors[bi, q_idx // block_size]
 
-    return _block_mask(*block_tiles(anchors, ctx_len, block_size, tile, blocks=False), mask_mod, tile,
+    return _block_mask(*block_tiles(anchors, ctx_len, block_size, tile, blocks=False),
+                       mask_mod, tile,
                        (q_len, ctx_len))
 
 
-FLEX_MIN_HEAD_DIM = 16  # FlexAttention's kernels refuse smaller heads (inductor's "NYI: embedding dimension")
+# FlexAttention's kernels refuse smaller heads (inductor's "NYI: embedding dimension")
+FLEX_MIN_HEAD_DIM = 16
 
 
 def use_flex_attention(choice: str, device_type: str, head_dim: int) -> bool:
     """Whether training attends with FlexAttention (else SDPA over the dense mask).
 
-    auto takes FlexAttention on a GPU where its kernels apply; flex where they cannot raises a one-line
-    ValueError instead of an error from deep inside inductor; sdpa never.
+    auto takes FlexAttention on a GPU where its kernels apply; flex where they cannot raises a
+    one-line ValueError instead of an error from deep inside inductor; sdpa never.
     """
     if choice not in ("auto", "flex", "sdpa"):
         raise ValueError(f"attention {choice!r}: choose auto, flex or sdpa")
     fits = head_dim >= FLEX_MIN_HEAD_DIM
     if choice == "flex" and device_type != "cuda":
-        raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); use auto or sdpa")
+        raise ValueError("--attention flex needs a GPU (FlexAttention has no backward on CPU); use "
+                         "auto or sdpa")
     if choice == "flex" and not fits:
-        raise ValueError(f"--attention flex needs a head dimension >= {FLEX_MIN_HEAD_DIM}; the drafter's is {head_dim}")
+        raise ValueError(f"--attention flex needs a head dimension >= {FLEX_MIN_HEAD_DIM}; the "
+                         f"drafter's is {head_dim}")
     return choice == "flex" or (choice == "auto" and device_type == "cuda" and fits)

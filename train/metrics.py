@@ -20,7 +20,8 @@ class MetricsLog:
     WANDB_PROJECT, default draftcache; WANDB_MODE=offline works without a network).
     """
 
-    def __init__(self, run: str | os.PathLike, enabled: bool, *, step: int = 0, tensorboard: bool = False,
+    def __init__(self, run: str | os.PathLike, enabled: bool, *, step: int = 0,
+                 tensorboard: bool = False,
                  wandb: bool = False, config: dict[str, Any] | None = None) -> None:
         self.path = Path(run) / "metrics.jsonl"
         self.enabled = enabled
@@ -28,12 +29,15 @@ class MetricsLog:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # a resume from step N keeps the rows up to N (trim_metrics): events from N + 1 on are redone
-            self._tb = SummaryWriter(log_dir=str(Path(run) / "tensorboard"), purge_step=step + 1 if step else None)
+            # a resume from step N keeps the rows up to N (trim_metrics): events from N + 1 on are
+            # redone
+            self._tb = SummaryWriter(log_dir=str(Path(run) / "tensorboard"),
+                                     purge_step=step + 1 if step else None)
         if enabled and wandb:
             import wandb as wb
 
-            self._wb = wb.init(project=os.environ.get("WANDB_PROJECT", "draftcache"), dir=str(run), config=config,
+            self._wb = wb.init(project=os.environ.get("WANDB_PROJECT", "draftcache"), dir=str(run),
+                               config=config,
                                name=Path(run).name, resume="allow")
 
     def write(self, row: dict[str, Any]) -> None:
@@ -68,9 +72,9 @@ class MetricsLog:
 
 
 def _rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(line, row) of each sound row of a metrics file; a torn last line of a killed run, or any line
-    damaged otherwise (not JSON, not UTF-8, no integer step), is left out: the metrics are a record,
-    never a reason for a run to fail."""
+    """(line, row) of each sound row of a metrics file; a torn last line of a killed run, or any
+    line damaged otherwise (not JSON, not UTF-8, no integer step), is left out: the metrics are a
+    record, never a reason for a run to fail."""
     out = []
     for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
@@ -113,10 +117,13 @@ def plot_metrics(run: str | os.PathLike) -> list[Path]:
             pts = [(r["step"], r[k]) for r in rows if k in r]  # held-out rows are their own lines
             if pts:
                 ax.plot(*zip(*pts), label=name, marker="o" if k.startswith("val_") else None)
-        by = "val_decode_tau_96_by_domain"  # a validation store of the evaluation's prompts: one line a domain
-        for d in (dict.fromkeys(g for r in rows for g in r.get(by, {})) if key == "sim_tau" else ()):
+        # a validation store of the evaluation's prompts: one line a domain
+        by = "val_decode_tau_96_by_domain"
+        for d in (dict.fromkeys(g for r in rows for g in r.get(by, {}))
+                  if key == "sim_tau" else ()):
             pts = [(r["step"], r[by][d]) for r in rows if d in r.get(by, {})]
-            ax.plot(*zip(*pts), label=f"held-out decoding τ, {d} (first 96 tokens)", marker=".", linestyle="--")
+            ax.plot(*zip(*pts), label=f"held-out decoding τ, {d} (first 96 tokens)", marker=".",
+                    linestyle="--")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -1,12 +1,13 @@
-"""The DFlash drafter: fc + norm over the tapped target states, Qwen3-style layers with KV injection.
+"""The DFlash drafter: fc + norm over the tapped target states, Qwen3-style layers with KV
+injection.
 
 Shapes: B batch, T context tokens, Q block query tokens (num_anchors x block_size), H hidden,
 K tapped layers, nh/nkv query/kv heads, hd head dim.
 
-KV injection (as in the DFlash paper and its reference drafter): every layer projects the fused context through its
-own k/v projections and prepends it to the block's keys and values; queries come from block tokens
-only, so the context bypasses each layer's q, o, residual and MLP paths. Embedding and lm_head
-are the target's, frozen; they are buffers here and never saved with the drafter.
+KV injection (as in the DFlash paper and its reference drafter): every layer projects the fused
+context through its own k/v projections and prepends it to the block's keys and values; queries come
+from block tokens only, so the context bypasses each layer's q, o, residual and MLP paths. Embedding
+and lm_head are the target's, frozen; they are buffers here and never saved with the drafter.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     draft_vocab_size: int = 0
-    """Tokens the drafter may propose (its `draft_ids`); 0 = the target's whole vocabulary (train.vocab)."""
+    """Tokens the drafter may propose (its `draft_ids`); 0 = the target's whole vocabulary
+    (train.vocab)."""
     markov_rank: int = 0
     """Rank of the Markov dependence head (train.markov_head) over the block's slots; 0 = none."""
 
@@ -83,7 +85,8 @@ class DraftLayer(nn.Module):
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
 
-    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx [B, T, H] -> roped k, v [B, nkv, T, hd] (cacheable: they never change)."""
         b, t, _ = ctx.shape
         k = self.k_norm(self.k_proj(ctx).view(b, t, -1, self.c.head_dim)).transpose(1, 2)
@@ -107,7 +110,8 @@ class DraftLayer(nn.Module):
             else:
                 rep = self.c.num_heads // self.c.num_kv_heads
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None] if mask is not None else None)
+                heads_mask = mask[:, None] if mask is not None else None
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=heads_mask)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
         h = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
@@ -116,7 +120,8 @@ class DraftLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Trainable: fc, hidden_norm, layers, norm. Frozen buffers: embed_tokens, lm_head (its rows of
     the draft vocabulary only, when there is one). With a draft vocabulary, `draft_ids` [N] (saved
-    with the weights: the export needs it) maps a draft index to its target id and `t2d` [V] back."""
+    with the weights: the export needs it) maps a draft index to its target id and `t2d` [V]
+    back."""
 
     def __init__(self, c: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor,
                  draft_ids: torch.Tensor | None = None) -> None:
@@ -129,16 +134,21 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("embed_tokens", embed.detach().clone(), persistent=False)  # [V, H]
         if c.draft_vocab_size:
             if draft_ids is None or draft_ids.shape != (c.draft_vocab_size,):
-                raise ValueError(f"a drafter with a draft vocabulary of {c.draft_vocab_size} needs as many draft_ids")
+                raise ValueError(f"a drafter with a draft vocabulary of {c.draft_vocab_size} needs "
+                                 "as many draft_ids")
             self.register_buffer("draft_ids", draft_ids.detach().clone().long())  # [N]
-            self.register_buffer("t2d", target_to_draft(self.draft_ids, c.vocab_size), persistent=False)  # [V]
+            # [V]
+            self.register_buffer("t2d", target_to_draft(self.draft_ids, c.vocab_size),
+                                 persistent=False)
             lm_head = lm_head[self.draft_ids]
         self.register_buffer("lm_head", lm_head.detach().clone(), persistent=False)  # [V or N, H]
         self.markov_head = None
         if c.markov_rank:
-            # W2 starts at zero: the head adds nothing until it learns to, so a run with it starts as the
-            # plain drafter (and --init-from a drafter without one begins where that drafter ended)
-            self.markov_head = MarkovHead(c.vocab_size, c.draft_vocab_size or c.vocab_size, c.markov_rank)
+            # W2 starts at zero: the head adds nothing until it learns to, so a run with it starts
+            # as the plain drafter (and --init-from a drafter without one begins where that drafter
+            # ended)
+            self.markov_head = MarkovHead(c.vocab_size, c.draft_vocab_size or c.vocab_size,
+                                          c.markov_rank)
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
             nn.init.zeros_(self.markov_head.markov_w2.weight)
 
@@ -154,20 +164,26 @@ class DFlashDrafter(nn.Module):
         """taps [B, T, K*H] -> fused context [B, T, H]."""
         return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
-    def context_kv(self, taps: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(self, taps: torch.Tensor,
+                   ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) of the context: computed once per new context token at inference."""
         ctx = self.fuse(taps)
         cos, sin = rope_cos_sin(ctx_pos, self.c.head_dim, self.c.rope_theta)
-        return [layer.context_kv(ctx, cos.to(ctx.dtype), sin.to(ctx.dtype)) for layer in self.layers]
+        return [layer.context_kv(ctx, cos.to(ctx.dtype), sin.to(ctx.dtype))
+                for layer in self.layers]
 
-    def forward(self, taps: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor, block_pos: torch.Tensor,
+    def forward(self, taps: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor,
+                block_pos: torch.Tensor,
                 mask: torch.Tensor | object | None) -> torch.Tensor:
-        """Training: taps [B, T, K*H], ctx_pos [B, T], blocks [B, Q], mask [B, Q, T+Q] -> hidden [B, Q, H]."""
+        """Training: taps [B, T, K*H], ctx_pos [B, T], blocks [B, Q], mask [B, Q, T+Q] -> hidden [B,
+        Q, H]."""
         return self.draft(block_ids, block_pos, self.context_kv(taps, ctx_pos), mask)
 
     def draft(self, block_ids: torch.Tensor, block_pos: torch.Tensor,
-              ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | object | None) -> torch.Tensor:
-        """block_ids, block_pos [B, Q]; mask [B, Q, T+Q] bool (True = may attend) -> hidden [B, Q, H]."""
+              ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+              mask: torch.Tensor | object | None) -> torch.Tensor:
+        """block_ids, block_pos [B, Q]; mask [B, Q, T+Q] bool (True = may attend) -> hidden [B, Q,
+        H]."""
         x = F.embedding(block_ids, self.embed_tokens).to(self.fc.weight.dtype)
         cos, sin = rope_cos_sin(block_pos, self.c.head_dim, self.c.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

@@ -1,4 +1,5 @@
-"""A DFlash draft model for transformers, shipped inside every draftcache export as modeling_dflash.py.
+"""A DFlash draft model for transformers, shipped inside every draftcache export as
+modeling_dflash.py.
 
     from transformers import AutoModel, AutoModelForCausalLM
     target = AutoModelForCausalLM.from_pretrained(TARGET)
@@ -27,12 +28,14 @@ from transformers import PreTrainedModel, Qwen3Config
 from .decoding_state import DecodingState, PhaseClock
 from .markov_head import MarkovHead, markov_chain, tree_inputs
 
-__all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "cache_of", "cache_kwarg", "keep_cache_rows", "rope_cos_sin"]
+__all__ = ["DFlashDraftModel", "RMSNorm", "apply_rope", "cache_of", "cache_kwarg",
+           "keep_cache_rows", "rope_cos_sin"]
 
 
 def cache_kwarg(model) -> str:
-    """The name `model.forward` takes its KV cache by: transformers 5.25 renamed `past_key_values` to
-    `cache` (the old name is accepted with a warning until 5.40); earlier versions know only the old."""
+    """The name `model.forward` takes its KV cache by: transformers 5.25 renamed `past_key_values`
+    to `cache` (the old name is accepted with a warning until 5.40); earlier versions know only the
+    old."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -65,13 +68,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # normalise in float32, return the input dtype (keeps q, k, v one dtype under autocast)
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        # normalise in float32, return the input dtype (keeps q, k, v one dtype under autocast)
+        xf = x.float()
+        scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * scale * self.weight.float()).to(x.dtype)
 
 
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(pos: torch.Tensor, head_dim: int,
+                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """pos [B, S] -> cos, sin [B, 1, S, hd] (neox / HF "rotate half" layout)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device,
+                                        dtype=torch.float32) / head_dim))
     ang = pos.float()[..., None] * inv  # [B, S, hd/2]
     emb = torch.cat([ang, ang], dim=-1)[:, None]
     return emb.cos(), emb.sin()
@@ -94,7 +101,8 @@ class _Attention(nn.Module):
         self.k_norm = RMSNorm(hd, c.rms_norm_eps)
         self.hd, self.rep = hd, c.num_attention_heads // c.num_key_value_heads
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, x: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, H] -> roped k, v [B, nkv, S, hd]."""
         b, s, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, s, -1, self.hd)).transpose(1, 2)
@@ -104,12 +112,16 @@ class _Attention(nn.Module):
         """ctx_valid [T] bool (None: all valid): which context rows count; a static decoding buffer
         holds rows not yet (or no longer) verified beyond its length."""
         b, q_len, _ = x.shape
-        q = apply_rope(self.q_norm(self.q_proj(x).view(b, q_len, -1, self.hd)).transpose(1, 2), cos, sin)
+        q = self.q_norm(self.q_proj(x).view(b, q_len, -1, self.hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
         # the block sees the whole (valid) context, all before its first token, and itself
-        mask = None if ctx_valid is None else torch.cat([ctx_valid, ctx_valid.new_ones(q_len)])[None]  # [1, T+Q]
-        o = F.scaled_dot_product_attention(q, k.repeat_interleave(self.rep, 1), v.repeat_interleave(self.rep, 1),
+        # [1, T+Q]
+        mask = None if ctx_valid is None else torch.cat([ctx_valid,
+                                                         ctx_valid.new_ones(q_len)])[None]
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(self.rep, 1),
+                                           v.repeat_interleave(self.rep, 1),
                                            attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -139,7 +151,8 @@ class _Layer(nn.Module):
 
 
 class DFlashDraftModel(PreTrainedModel):
-    """fc, hidden_norm, layers, norm; the target's embedding and lm_head are passed in at decode time."""
+    """fc, hidden_norm, layers, norm; the target's embedding and lm_head are passed in at decode
+    time."""
 
     config_class = Qwen3Config
     base_model_prefix = "dflash"
@@ -159,14 +172,19 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        # a draft vocabulary (config draft_vocab_size > 0): draft index -> target id, in the weights file
+        # a draft vocabulary (config draft_vocab_size > 0): draft index -> target id, in the weights
+        # file
         n = int(getattr(config, "draft_vocab_size", 0) or 0)
         self.register_buffer("draft_ids", torch.zeros(n, dtype=torch.long) if n else None)
-        # a dependence head (markov_head.py): config markov_rank > 0; any other head type is refused, not ignored
-        rank, kind = int(getattr(config, "markov_rank", 0) or 0), getattr(config, "markov_head_type", "vanilla")
+        # a dependence head (markov_head.py): config markov_rank > 0; any other head type is
+        # refused, not ignored
+        rank = int(getattr(config, "markov_rank", 0) or 0)
+        kind = getattr(config, "markov_head_type", "vanilla")
         if rank and kind != "vanilla":
-            raise ValueError(f"markov_head_type {kind!r}: this modeling file drafts with the 'vanilla' head only")
-        self.markov_head = MarkovHead(config.vocab_size, n or config.vocab_size, rank) if rank else None
+            raise ValueError(f"markov_head_type {kind!r}: this modeling file drafts with the "
+                             "'vanilla' head only")
+        self.markov_head = MarkovHead(config.vocab_size, n or config.vocab_size,
+                                      rank) if rank else None
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -179,18 +197,20 @@ class DFlashDraftModel(PreTrainedModel):
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.rope_theta)
         return cos.to(dtype), sin.to(dtype)
 
-    def context_kv(self, taps: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """taps [B, T, K*H] (tapped target states, in target_layer_ids order), pos [B, T] -> per layer
-        (k, v) [B, nkv, T, hd]: computed once per verified token, then only appended to."""
+    def context_kv(self, taps: torch.Tensor,
+                   pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """taps [B, T, K*H] (tapped target states, in target_layer_ids order), pos [B, T] -> per
+        layer (k, v) [B, nkv, T, hd]: computed once per verified token, then only appended to."""
         w = self.fc.weight
         ctx = self.hidden_norm(self.fc(taps.to(w.dtype)))
         cos, sin = self._rope(pos, w.dtype)
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, block_embeds: torch.Tensor, block_pos: torch.Tensor,
-                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """block_embeds [B, Q, H] (the target's embedding of the block), block_pos [B, Q], ctx_valid [T] bool
-        or None -> hidden [B, Q, H] (apply the target's lm_head for draft logits)."""
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                ctx_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """block_embeds [B, Q, H] (the target's embedding of the block), block_pos [B, Q], ctx_valid
+        [T] bool or None -> hidden [B, Q, H] (apply the target's lm_head for draft logits)."""
         x = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self._rope(block_pos, x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):
@@ -198,20 +218,22 @@ class DFlashDraftModel(PreTrainedModel):
         return self.norm(x)
 
     def draft_head(self, head: torch.Tensor) -> torch.Tensor:
-        """The rows of the target's lm_head [V, H] this drafter proposes from ([N, H] with a draft vocabulary)."""
+        """The rows of the target's lm_head [V, H] this drafter proposes from ([N, H] with a draft
+        vocabulary)."""
         return head if self.draft_ids is None else head[self.draft_ids]
 
     def draft_tokens(self, logits: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-        """Target ids [D] of the chain drafted from logits [D, V or N] after the block's first token root
-        (0-d): each slot's argmax, or with a Markov head each slot's after the token drafted before it."""
+        """Target ids [D] of the chain drafted from logits [D, V or N] after the block's first token
+        root (0-d): each slot's argmax, or with a Markov head each slot's after the token drafted
+        before it."""
         if self.markov_head is not None:
             return markov_chain(logits, root, self.markov_head, self.draft_ids)
         idx = logits.argmax(-1)
         return idx if self.draft_ids is None else self.draft_ids[idx]
 
     def tree_logp(self, logits: torch.Tensor, root: torch.Tensor):
-        """(log-probs [D, V or N] of the block's slots, the head's bias for build_tree or None): with a
-        Markov head, slot 1's log-probs are those after the root (0-d, a target id)."""
+        """(log-probs [D, V or N] of the block's slots, the head's bias for build_tree or None):
+        with a Markov head, slot 1's log-probs are those after the root (0-d, a target id)."""
         if self.markov_head is None:
             return torch.log_softmax(logits.float(), -1), None
         return tree_inputs(logits, root, self.markov_head, self.draft_ids)
@@ -221,7 +243,8 @@ class DFlashDraftModel(PreTrainedModel):
                       eos_token_id: int | list[int] | None = None, cuda_graph: bool = True,
                       tree_budget: int | None = None, tree_width: int | None = None,
                       timings: dict[str, float] | None = None) -> dict:
-        """Greedy speculative decoding of one prompt (input_ids [1, P]) with `target`, an HF causal LM.
+        """Greedy speculative decoding of one prompt (input_ids [1, P]) with `target`, an HF causal
+        LM.
 
         Returns {"sequences": [1, P + new] ids, "accepted": tokens emitted per target forward (the
         target's own next token included), "target_forwards": int}. The new tokens equal the
@@ -232,42 +255,48 @@ class DFlashDraftModel(PreTrainedModel):
         tree_budget N > 0: each step drafts a tree of the block's N best prefixes (draft_tree.py;
         tree_width caps the nodes at each depth) and the target verifies all of them in one forward
         with an ancestor-only mask; its greedy token is walked down the tree and the matched path
-        is kept. 0: the chain of each slot's argmax (with a Markov head, each after the token drafted
-        before it). None: the export's default (config.json
+        is kept. 0: the chain of each slot's argmax (with a Markov head, each after the token
+        drafted before it). None: the export's default (config.json
         dflash_config tree_budget and tree_width; the chain where it names none).
 
-        timings: a dict each phase's seconds are added to (prefill, mask: the verify's inputs, verify:
-        the target's forward, step: acceptance, context update and the next draft or tree, sync: the
-        step's result to the host, compact: the target's cache cut to the committed path). Timing
-        synchronizes the device between phases, so a timed decode runs slower than an untimed one.
+        timings: a dict each phase's seconds are added to (prefill, mask: the verify's inputs,
+        verify: the target's forward, step: acceptance, context update and the next draft or tree,
+        sync: the step's result to the host, compact: the target's cache cut to the committed path).
+        Timing synchronizes the device between phases, so a timed decode runs slower than an untimed
+        one.
         """
         d = self.config.dflash_config
         tree_budget = int(d.get("tree_budget", 0)) if tree_budget is None else tree_budget
         tree_width = int(d.get("tree_width", 0)) if tree_width is None else tree_width
         if input_ids.shape[0] != 1:
-            raise ValueError(f"spec_generate decodes one prompt at a time, got a batch of {input_ids.shape[0]}")
+            raise ValueError("spec_generate decodes one prompt at a time, got a batch of "
+                             f"{input_ids.shape[0]}")
         if tree_budget < 0 or tree_width < 0:
             raise ValueError(f"tree_budget {tree_budget} and tree_width {tree_width}: must be >= 0")
         eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or [])
         prompt_len = input_ids.shape[1]
-        dec = self._decoding_for(target, prompt_len + max_new_tokens + 2 * self.block_size, input_ids.device,
+        dec = self._decoding_for(target, prompt_len + max_new_tokens + 2 * self.block_size,
+                                 input_ids.device,
                                  cuda_graph and input_ids.is_cuda, tree_budget, tree_width)
         taps: dict[int, torch.Tensor] = {}
         decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
         hooks = [decoder.layers[i].register_forward_hook(
             lambda _m, _a, o, i=i: taps.__setitem__(i, o[0] if isinstance(o, tuple) else o))
             for i in self.target_layer_ids]
-        tapped = lambda: torch.cat([taps[i] for i in self.target_layer_ids], dim=-1)  # noqa: E731  [1, S, K*H]
+        # [1, S, K*H]
+        tapped = lambda: torch.cat([taps[i] for i in self.target_layer_ids], dim=-1)
         clock = PhaseClock(timings, input_ids.device)
         try:
-            tokens, accepted = self._decode(target, input_ids, dec, tapped, clock, max_new_tokens, eos)
+            tokens, accepted = self._decode(target, input_ids, dec, tapped, clock, max_new_tokens,
+                                            eos)
         finally:
             for h in hooks:
                 h.remove()
         seq = torch.cat([input_ids[0], torch.tensor(tokens, device=input_ids.device)])[None]
         return {"sequences": seq, "accepted": accepted, "target_forwards": len(accepted)}
 
-    def _decode(self, target, input_ids: torch.Tensor, dec: DecodingState, tapped, clock: PhaseClock,
+    def _decode(self, target, input_ids: torch.Tensor, dec: DecodingState, tapped,
+                clock: PhaseClock,
                 max_new_tokens: int, eos: set[int]) -> tuple[list[int], list[int]]:
         """The prefill, then steps of verify, accept and draft until max_new_tokens or an eos token:
         (the new tokens, the tokens each target forward emitted)."""
@@ -278,12 +307,14 @@ class DFlashDraftModel(PreTrainedModel):
         tokens, accepted = [int(first)], [1]
         clock.lap("prefill")
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-            n = prompt_len + len(tokens) - 1  # position of the last (not yet verified) token: block[0]
+            # position of the last (not yet verified) token: block[0]
+            n = prompt_len + len(tokens) - 1
             inputs = dec.verify_inputs(n)
             clock.lap("mask")
             out = target(**inputs, use_cache=True, **{kw: cache})
             cache = cache_of(out)
-            dec.want.copy_(out.logits[0].argmax(-1))  # the target's choice after each verified token
+            # the target's choice after each verified token
+            dec.want.copy_(out.logits[0].argmax(-1))
             dec.taps.copy_(tapped())
             clock.lap("verify")
             dec.step()
@@ -302,20 +333,25 @@ class DFlashDraftModel(PreTrainedModel):
 
     def _decoding_for(self, target, rows: int, device: torch.device, graph: bool, budget: int = 0,
                       width: int = 0) -> DecodingState:
-        """A decoding state with at least `rows` context rows for this target, kept for the next prompt
-        (a CUDA graph is captured once per state, not per prompt)."""
+        """A decoding state with at least `rows` context rows for this target, kept for the next
+        prompt (a CUDA graph is captured once per state, not per prompt)."""
         head, embed = target.get_output_embeddings().weight, target.get_input_embeddings().weight
-        # a drafter or target moved or cast since (new tensors) gets a new state: the graph reads these addresses
-        key = (head.data_ptr(), embed.data_ptr(), self.fc.weight.data_ptr(), self.fc.weight.dtype, str(device), graph,
+        # a drafter or target moved or cast since (new tensors) gets a new state: the graph reads
+        # these addresses
+        key = (head.data_ptr(), embed.data_ptr(), self.fc.weight.data_ptr(), self.fc.weight.dtype,
+               str(device), graph,
                budget, width, target.dtype)
-        # one state per tree budget and width, so that decoding alternately with several captures each once;
-        # states for other tensors (a drafter or target moved or cast since) are dropped
+        # one state per tree budget and width, so that decoding alternately with several captures
+        # each once; states for other tensors (a drafter or target moved or cast since) are dropped
         states = {k: v for k, v in getattr(self, "_decodings", {}).items() if k[:6] == key[:6]}
         old = states.get(key)
         if old is None or old.rows < rows:
-            states[key] = DecodingState(self, embed, self.draft_head(head), -(-rows // 1024) * 1024, graph, key,
+            states[key] = DecodingState(self, embed, self.draft_head(head),
+                                        -(-rows // 1024) * 1024, graph, key,
                                     budget, width, target.dtype)
-        else:  # weights loaded in place since (a draft vocabulary, the target's head): the graph reads this copy
+        # weights loaded in place since (a draft vocabulary, the target's head): the graph reads
+        # this copy
+        else:
             old.head.copy_(self.draft_head(head))
         self._decodings, self._decoding = states, states[key]
         return self._decoding

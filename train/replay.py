@@ -25,7 +25,8 @@ import torch
 from train.draft_tree import build_tree, walk_tree
 from train.markov_head import tree_inputs
 
-__all__ = ["anchor_spans", "block_accepts", "decode_visits", "reach_weights", "replay_counts", "tree_accepts",
+__all__ = ["anchor_spans", "block_accepts", "decode_visits", "reach_weights", "replay_counts",
+           "tree_accepts",
            "visit_weights"]
 
 
@@ -37,15 +38,18 @@ def block_accepts(hit: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *, block_size: int,
-                 budget: int, width: int = 0, chunk: int = 512, head=None, roots: torch.Tensor | None = None,
+def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *,
+                 block_size: int,
+                 budget: int, width: int = 0, chunk: int = 512, head=None,
+                 roots: torch.Tensor | None = None,
                  draft_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """hidden [b, Q, H] (drafter output, Q = N blocks x block_size), labels [b, Q] (lm_head row of the
-    token at each slot; < 0: none, a miss), lm_head [V, H] -> int64 [b, N]: the drafted tokens each
-    block's draft tree of `budget` nodes (build_tree, `width` per depth) accepts when the walk asks
-    for the known continuation. A tree holds its prefixes' ancestors, so that is the longest prefix
-    of the continuation among the tree's nodes; where the tree holds the argmax chain it is at least
-    block_accepts. `chunk` blocks at a time: each holds [chunk, block_size - 1, V] log-probabilities.
+    """hidden [b, Q, H] (drafter output, Q = N blocks x block_size), labels [b, Q] (lm_head row of
+    the token at each slot; < 0: none, a miss), lm_head [V, H] -> int64 [b, N]: the drafted tokens
+    each block's draft tree of `budget` nodes (build_tree, `width` per depth) accepts when the walk
+    asks for the known continuation. A tree holds its prefixes' ancestors, so that is the longest
+    prefix of the continuation among the tree's nodes; where the tree holds the argmax chain it is
+    at least block_accepts. `chunk` blocks at a time: each holds [chunk, block_size - 1, V]
+    log-probabilities.
 
     head: a Markov head (train.markov_head) whose conditional scores build the trees, with roots
     [b, Q] (the blocks' token ids: slot 0 holds the anchor's) and draft_ids [V] (the target id of
@@ -54,10 +58,12 @@ def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tens
     d = block_size - 1
     rows = hidden.reshape(-1, block_size, h)[:, 1:]  # [M, D, H]: slots 1..D of every block
     truth = labels.reshape(-1, block_size)[:, 1:].long()  # [M, D]: slot k+1's token at column k
-    # depth j of a tree asks for slot j+1's token (the root asks for slot 1); depth D asks for nothing
+    # depth j of a tree asks for slot j+1's token (the root asks for slot 1); depth D asks for
+    # nothing
     asked = torch.cat([truth, truth.new_full((truth.shape[0], 1), -1)], 1)  # [M, D+1]
     head_w = lm_head.to(rows.dtype).T  # [H, V], cast once for every chunk
-    if head is not None:  # each chunk's conditional scores hold [chunk, F, V]: about 2^28 of them at most
+    # each chunk's conditional scores hold [chunk, F, V]: about 2^28 of them at most
+    if head is not None:
         chunk = max(1, min(chunk, 2 ** 28 // (min(budget, width or budget) * lm_head.shape[0])))
         root = roots.reshape(-1, block_size)[:, 0]  # [M]: each block's first token
     out = []
@@ -105,7 +111,8 @@ def _next_links(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tenso
     return torch.where(same, nxt, n)
 
 
-def decode_visits(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+def decode_visits(anchors: torch.Tensor, accepts: torch.Tensor,
+                  spans: torch.Tensor) -> torch.Tensor:
     """anchors [b, N] (sorted positions, -1 padding at the end), accepts [b, N], spans [b, N]
     -> bool [b, N]: the anchors decoding visits when it starts at the first anchor of each span.
 
@@ -115,30 +122,36 @@ def decode_visits(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Ten
     """
     b, n = anchors.shape
     valid = anchors >= 0
-    mark = torch.cat([_span_starts(anchors, spans), torch.zeros(b, 1, dtype=torch.bool, device=anchors.device)], 1)  # [b, N+1]
+    # [b, N+1]
+    sink = torch.zeros(b, 1, dtype=torch.bool, device=anchors.device)
+    mark = torch.cat([_span_starts(anchors, spans), sink], 1)
     jump = torch.cat([_next_links(anchors, accepts, spans),
-                      torch.full((b, 1), n, dtype=torch.long, device=anchors.device)], 1)  # N+1 is a sink
+                      # N+1 is a sink
+                      torch.full((b, 1), n, dtype=torch.long, device=anchors.device)], 1)
     for _ in range(max(1, (n - 1).bit_length()) + 1):
-        reached = torch.zeros(mark.shape, device=mark.device).scatter_add_(1, jump, mark.float()) > 0
+        reached = torch.zeros(mark.shape, device=mark.device).scatter_add_(1, jump,
+                                                                           mark.float()) > 0
         mark = mark | reached
         jump = jump.gather(1, jump)
     return mark[:, :n] & valid
 
 
 def replay_counts(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor,
-                  window: int = 0, visits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  window: int = 0,
+                  visits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens, target forwards), float32 scalars, of decoding every span of the batch along
     its known continuation. Needs an anchor at every position of each span but its last (the
     held-out batches are built so): a span of s tokens then has s - 1 anchors, and decoding takes
     one forward for the prefill's token plus one per visited anchor (train.acceptance.decode_chain).
     window > 0: decoding stops after `window` new tokens, as an evaluation with that many new tokens
-    does (a drafted anchor is one whose token is among the first window - 1). visits: decode_visits of
-    the same arguments when the caller has it (counting several windows walks the links once).
+    does (a drafted anchor is one whose token is among the first window - 1). visits: decode_visits
+    of the same arguments when the caller has it (counting several windows walks the links once).
     """
     starts = _span_starts(anchors, spans)
     num_spans = starts.sum()
     counted = anchors >= 0
-    if window > 0:  # each anchor's offset in its span: anchors are sorted, so the span's start is a running max
+    # each anchor's offset in its span: anchors are sorted, so the span's start is a running max
+    if window > 0:
         first = torch.where(starts, anchors, torch.full_like(anchors, -1)).cummax(1).values
         counted = counted & (anchors - first < window - 1)
     tokens = counted.sum() + num_spans
@@ -148,14 +161,16 @@ def replay_counts(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Ten
     return tokens.float(), forwards.float()
 
 
-def visit_weights(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor, extra: float) -> torch.Tensor:
-    """float32 [b, N]: 1 + extra at the anchors decoding with the current drafter visits, 1 elsewhere."""
+def visit_weights(anchors: torch.Tensor, accepts: torch.Tensor, spans: torch.Tensor,
+                  extra: float) -> torch.Tensor:
+    """float32 [b, N]: 1 + extra at the anchors decoding with the current drafter visits, 1
+    elsewhere."""
     return 1.0 + extra * decode_visits(anchors, accepts, spans).float()
 
 
 def reach_weights(hit: torch.Tensor, labelled: torch.Tensor, floor: float = 0.01) -> torch.Tensor:
-    """hit, labelled bool [b, N, B] -> float32 [B]: the weight of each block slot by what it is worth
-    to decoding now.
+    """hit, labelled bool [b, N, B] -> float32 [B]: the weight of each block slot by what it is
+    worth to decoding now.
 
     With R_j the batch's share of blocks whose slots 1..j are all correct (among those with slot j
     labelled), expected acceptance is 1 + sum_j R_j and d tau / d log a_k = sum_{j >= k} R_j, a_k

@@ -28,7 +28,8 @@ class DecodeResult:
 
 
 @torch.inference_mode()
-def target_generate(model, prompt: list[int], *, max_new_tokens: int, eos: set[int]) -> DecodeResult:
+def target_generate(model, prompt: list[int], *, max_new_tokens: int,
+                    eos: set[int]) -> DecodeResult:
     """Plain greedy decoding with a KV cache: one target forward per token."""
     t0 = time.perf_counter()
     ids = torch.tensor([prompt], device=model.device)

@@ -19,14 +19,15 @@ class TrainState:
     """Steps done, the position to go on from, and why the run stops ("" while it goes on).
 
     A checkpoint saves (epoch, in_epoch): a resumed run starts that epoch at that step. The stop
-    reason is set by the loop (its last step, --time-limit, --patience, SIGTERM or SIGINT) and read by
-    `fit`'s summary;
+    reason is set by the loop (its last step, --time-limit, --patience, SIGTERM or SIGINT) and read
+    by `fit`'s summary;
     the learning-rate schedule's length never changes with it.
     """
 
     step: int = 0
     epoch: int = 0
-    """The epoch to go on in (the one of the step just done, or the next one after its last step)."""
+    """The epoch to go on in (the one of the step just done, or the next one after its last
+    step)."""
     in_epoch: int = 0
     """Steps of `epoch` already done: a resume skips them."""
     stop: str = ""

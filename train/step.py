@@ -18,11 +18,18 @@ from train.anchors import IGNORE, previous_tokens
 from train.attention import SplitMask
 from train.data import BatchDataset, to_device
 from train.losses import LossOut, Weighting, acceptance_from_acc, draft_loss
-from train.masks import FLEX_TILE, dense_context_mask, dense_mask, flex_block_mask, flex_context_mask
+from train.masks import (
+    FLEX_TILE,
+    dense_context_mask,
+    dense_mask,
+    flex_block_mask,
+    flex_context_mask,
+)
 from train.model import DFlashDrafter
 from train.replay import decode_visits, replay_counts, tree_accepts
 
-__all__ = ["LossSettings", "StepStats", "evaluate_holdout", "forward_backward", "forward_loss", "lr_lambda",
+__all__ = ["LossSettings", "StepStats", "evaluate_holdout", "forward_backward", "forward_loss",
+           "lr_lambda",
            "make_optimizer"]
 
 
@@ -59,9 +66,9 @@ class LossSettings:
 
 def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, replay: bool = False,
                  tree_budgets: tuple[int, ...] = ()) -> LossOut:
-    """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on GPU);
-    with `replay`, also the accepted drafts per block (LossOut "accepts"); for each of `tree_budgets`,
-    also those of a draft tree of that many nodes ("tree_accepts": budget -> [b, N],
+    """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on
+    GPU); with `replay`, also the accepted drafts per block (LossOut "accepts"); for each of
+    `tree_budgets`, also those of a draft tree of that many nodes ("tree_accepts": budget -> [b, N],
     train.replay.tree_accepts), from the same forward."""
     taps = batch["hidden"]  # [b, T, K*H]: the tapped layers' states
     tile = loss.context_tile or (FLEX_TILE if loss.use_flex else 1)
@@ -73,32 +80,42 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
     if loss.split_blocks:
-        ctx_mask = (flex_context_mask if loss.use_flex else dense_context_mask)(batch["anchors"], t, loss.block_size)
+        ctx_mask = (flex_context_mask if loss.use_flex else dense_context_mask)(batch["anchors"], t,
+                                                                                loss.block_size)
         mask = SplitMask(ctx_mask, loss.block_size)
     else:
-        mask = (flex_block_mask if loss.use_flex else dense_mask)(batch["anchors"], t, loss.block_size)
+        mask = (flex_block_mask if loss.use_flex else dense_mask)(batch["anchors"], t,
+                                                                  loss.block_size)
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
         labels = core.labels(batch["labels"], IGNORE)  # [b, Q] lm_head rows
         mh, head_terms = core.markov_head, {}
-        if mh is not None:  # each slot's true previous token, embedded: teacher forcing (train.markov_head)
-            prev = previous_tokens(batch["block_ids"], batch["labels"], loss.block_size)  # [b, Q] target ids
+        # each slot's true previous token, embedded: teacher forcing (train.markov_head)
+        if mh is not None:
+            # [b, Q] target ids
+            prev = previous_tokens(batch["block_ids"], batch["labels"], loss.block_size)
             head_terms = {"bias_rows": mh.markov_w1(prev), "bias_head": mh.markov_w2.weight}
         out = draft_loss(hidden, labels, core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
-                         teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight, divergence=loss.divergence,
+                         teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight,
+                         divergence=loss.divergence,
                          confidence_penalty=loss.confidence_penalty,
-                         chunk=loss.chunk, backward=loss.backward, compiled=loss.compiled, weighting=loss.weighting,
-                         anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay, **head_terms)
+                         chunk=loss.chunk, backward=loss.backward, compiled=loss.compiled,
+                         weighting=loss.weighting,
+                         anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay,
+                         **head_terms)
         if tree_budgets:
             ids = core.draft_ids if core.c.draft_vocab_size else None
-            out["tree_accepts"] = {n: tree_accepts(hidden.detach(), labels, core.lm_head, block_size=loss.block_size,
-                                                   budget=n, head=mh, roots=batch["block_ids"], draft_ids=ids)
+            out["tree_accepts"] = {n: tree_accepts(hidden.detach(), labels, core.lm_head,
+                                                   block_size=loss.block_size,
+                                                   budget=n, head=mh, roots=batch["block_ids"],
+                                                   draft_ids=ids)
                                    for n in tree_budgets}
         return out
 
 
-def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings, grad_scale: float = 1.0) -> LossOut:
+def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings,
+                     grad_scale: float = 1.0) -> LossOut:
     """forward_loss, then backward of loss x grad_scale."""
     out = forward_loss(model, batch, loss)
     (out["loss"] * grad_scale).backward()
@@ -106,15 +123,15 @@ def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings, 
 
 
 # val_decode_tau_96: decoding replayed over each answer's first 96 new tokens only, the length the
-# goal's evaluation decodes (scripts/scale_run.sh eval); whole answers of a small target end in loops
-# that any drafter follows, so the whole-answer figure reads well above the evaluation's.
+# goal's evaluation decodes (scripts/scale_run.sh eval); whole answers of a small target end in
+# loops that any drafter follows, so the whole-answer figure reads well above the evaluation's.
 DECODE_WINDOW = 96
 
 
 def _replay_sums(stats: StepStats, prefix: str, walk: tuple, groups: dict[str, torch.Tensor],
                  sample_ids: torch.Tensor) -> None:
-    """Add one micro-batch's replayed decoding, whole answers and the window (and the window per group),
-    to stats.sums under `prefix` (walk: anchors, accepts, spans [b, N])."""
+    """Add one micro-batch's replayed decoding, whole answers and the window (and the window per
+    group), to stats.sums under `prefix` (walk: anchors, accepts, spans [b, N])."""
     visits = decode_visits(*walk)  # [b, N]: shared by the whole answers and the window
     for key, window in (("replay", 0), ("window", DECODE_WINDOW)):
         tokens, forwards = replay_counts(*walk, window=window, visits=visits)
@@ -122,7 +139,8 @@ def _replay_sums(stats: StepStats, prefix: str, walk: tuple, groups: dict[str, t
         stats.add_sum(f"{prefix}{key}_forwards", forwards)
     for g, ids in groups.items():
         rows = torch.isin(sample_ids, ids)  # [b]: this group's answers of the micro-batch
-        tokens, forwards = replay_counts(*(t[rows] for t in walk), window=DECODE_WINDOW, visits=visits[rows])
+        tokens, forwards = replay_counts(*(t[rows] for t in walk), window=DECODE_WINDOW,
+                                         visits=visits[rows])
         stats.add_sum(f"{prefix}{g}:tokens", tokens)
         stats.add_sum(f"{prefix}{g}:forwards", forwards)
 
@@ -133,7 +151,8 @@ def _tau_keys(s: _Reduced, prefix: str, name: str, groups) -> dict[str, Any]:
     row = {f"val_{name}": ratio("replay_tokens", "replay_forwards"),
            f"val_{name}_{DECODE_WINDOW}": ratio("window_tokens", "window_forwards")}
     if groups:
-        row[f"val_{name}_{DECODE_WINDOW}_by_domain"] = {g: ratio(f"{g}:tokens", f"{g}:forwards") for g in groups}
+        row[f"val_{name}_{DECODE_WINDOW}_by_domain"] = {g: ratio(f"{g}:tokens", f"{g}:forwards")
+                                                        for g in groups}
     return row
 
 
@@ -151,13 +170,16 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     given per group, as val_decode_tau_96_by_domain (the same names on every rank).
     tree_budgets: the same for decoding that verifies a draft tree of that many nodes per step
     (train.replay.tree_accepts), from the same forwards: the first budget's as val_tree_budget,
-    val_tree_tau, val_tree_tau_96 (and _by_domain); with several, every budget's in val_tree_curve."""
+    val_tree_tau, val_tree_tau_96 (and _by_domain); with several, every budget's in
+    val_tree_curve."""
     model.eval()
-    plain = dataclasses.replace(loss, backward="fused", compiled=False, weighting=Weighting())  # no backward here
+    # no backward here
+    plain = dataclasses.replace(loss, backward="fused", compiled=False, weighting=Weighting())
     stats = StepStats(loss.block_size, device)
     groups = {g: ids.to(device) for g, ids in (groups or {}).items()}
     prefixes = ("", *(f"tree{n}:" for n in tree_budgets))
-    for p in prefixes:  # before any batch, so every rank's sums hold the same names in the same order
+    # before any batch, so every rank's sums hold the same names in the same order
+    for p in prefixes:
         for name in ("replay_tokens", "replay_forwards", "window_tokens", "window_forwards",
                      *(f"{g}:{n}" for g in groups for n in ("tokens", "forwards"))):
             stats.add_sum(p + name, 0)
@@ -166,7 +188,8 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
         out = forward_loss(model, batch, plain, replay=True, tree_budgets=tree_budgets)
         stats.add(out, batch, by_weight=True)
         for p, accepts in zip(prefixes, (out["accepts"], *out.get("tree_accepts", {}).values())):
-            _replay_sums(stats, p, (batch["anchors"], accepts, batch["anchor_span"]), groups, batch["sample_id"])
+            _replay_sums(stats, p, (batch["anchors"], accepts, batch["anchor_span"]), groups,
+                         batch["sample_id"])
     s = stats.reduced(world)
     model.train()
     acc = s.acc()
@@ -185,7 +208,8 @@ def make_optimizer(model: DFlashDrafter, *, lr: float, weight_decay: float) -> t
     the foreach update was 5.8% of an eager 8B-shaped step's CUDA time, docs/benchmarks/)."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = all(p.is_cuda for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=fused or None)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95),
+                             fused=fused or None)
 
 
 def lr_lambda(total: int, warmup: float):
@@ -218,14 +242,16 @@ class StepStats:
 
     def reset(self) -> None:
         z = lambda *n: torch.zeros(*n, device=self.device)  # noqa: E731
-        self.sums = {"correct": z(self.block_size), "count": z(self.block_size), "loss": z(1), "weight": z(1),
+        self.sums = {"correct": z(self.block_size), "count": z(self.block_size), "loss": z(1),
+                     "weight": z(1),
                      "positions": z(1)}
         self.micro_batches, self.wait = 0, 0.0
-        self.since = time.time()  # the start of the row's time (validation and checkpoints are left out)
+        # the start of the row's time (validation and checkpoints are left out)
+        self.since = time.time()
 
     def add(self, out: LossOut, batch: dict[str, torch.Tensor], *, by_weight: bool = False) -> None:
-        """One micro-batch's loss output: its loss as is (training rows: a mean over micro-batches) or
-        weighted by its loss weight (held-out: a mean over positions)."""
+        """One micro-batch's loss output: its loss as is (training rows: a mean over micro-batches)
+        or weighted by its loss weight (held-out: a mean over positions)."""
         s = self.sums
         s["correct"] += out["correct"]
         s["count"] += out["count"]
@@ -236,7 +262,8 @@ class StepStats:
         self.micro_batches += 1
 
     def add_sum(self, name: str, value) -> None:
-        """Add to a named scalar sum, made at its first use (held-out decoding's tokens and forwards)."""
+        """Add to a named scalar sum, made at its first use (held-out decoding's tokens and
+        forwards)."""
         if name not in self.sums:
             self.sums[name] = torch.zeros(1, device=self.device)
         self.sums[name] += value

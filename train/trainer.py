@@ -24,7 +24,15 @@ from runtime.preemption import Preemption
 from runtime.world import World, any_rank
 from train.checkpoint import best_checkpoint, save_best, save_checkpoint
 from train.config import TrainConfig
-from train.data import BatchDataset, CollateSettings, holdout_mask, node_shares, plan_epoch, replay_dataset, to_device
+from train.data import (
+    BatchDataset,
+    CollateSettings,
+    holdout_mask,
+    node_shares,
+    plan_epoch,
+    replay_dataset,
+    to_device,
+)
 from train.data_parallel import data_parallel
 from train.follow import StoreView, WriterWatch, agree_view, view_of
 from train.losses import acceptance_from_acc
@@ -55,35 +63,41 @@ AHEAD_STEPS = 8
 
 
 class Trainer:
-    """One rank's training run: the store and its plan, the drafter and its optimizer, the loop state.
+    """One rank's training run: the store and its plan, the drafter and its optimizer, the loop
+    state.
 
     `fit()` runs epochs of `train_step`s from where `resume()` left off, with metrics rows,
     held-out `validate()`s and `save()`d checkpoints on their schedules.
     """
 
     def __init__(self, cfg: TrainConfig, preempt: Preemption | None = None) -> None:
-        self.cfg, self.t_start, self.closing_s = cfg, time.time(), 0.0  # closing_s: kept free before --time-limit
+        # closing_s: kept free before --time-limit
+        self.cfg, self.t_start, self.closing_s = cfg, time.time(), 0.0
         self.preempt = preempt or Preemption()  # one not entered never notes a signal
         world = World.from_env()
-        self.rank, self.world, self.local_world = world.rank, world.world_size, world.local_world_size
+        self.rank, self.world = world.rank, world.world_size
+        self.local_world = world.local_world_size
         self.device = world.join()
-        # batch copies on a side stream overlap the step (docs/BENCHMARKS.md: the copy paths side by side)
+        # batch copies on a side stream overlap the step (docs/BENCHMARKS.md: the copy paths side by
+        # side)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(cfg.seed)
 
-        self.watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)  # gives up on a dead writer's store
+        # gives up on a dead writer's store
+        self.watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)
         self.reader = open_store(cfg, self.rank, self.watch)
         m = self.reader.manifest
         self.dc, tap_index = drafter_config(cfg, self.reader)
         self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
         try:
-            self.held = (holdout_mask(self.reader.sample_ids, cfg.val_samples, cfg.seed, self.reader.prompt_keys())
+            self.held = (holdout_mask(self.reader.sample_ids, cfg.val_samples, cfg.seed,
+                                      self.reader.prompt_keys())
                          if cfg.val_samples else None)
         except ValueError as e:
             raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
         self.val_reader = open_val_store(cfg, self.reader) if cfg.val_store else None
-        draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, self.reader, self.held, self.dc.vocab_size,
-                                                        announce=self.rank == 0)
+        draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, self.reader, self.held,
+                                                        self.dc.vocab_size, announce=self.rank == 0)
         if draft_ids is not None:
             self.dc = dataclasses.replace(self.dc, draft_vocab_size=len(draft_ids))
         self.model = build_drafter(self.dc, self.reader.frozen(), draft_ids).to(self.device)
@@ -91,33 +105,45 @@ class Trainer:
         self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.collate = CollateSettings(tap_index=tuple(tap_index), num_stored_taps=len(m.layer_ids),
                                        num_anchors=cfg.num_anchors, block_size=cfg.block_size,
-                                       mask_token_id=self.dc.mask_token_id, with_last_hidden=cfg.effective_kl_weight > 0)
+                                       mask_token_id=self.dc.mask_token_id,
+                                       with_last_hidden=cfg.effective_kl_weight > 0)
         self.view = self._first_view()
-        per_epoch = self._steps_per_epoch()  # refuses a store too small for one step, with --max-steps too
+        # refuses a store too small for one step, with --max-steps too
+        per_epoch = self._steps_per_epoch()
         self.total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
-        self.state = resumed_state(cfg, self.model, self.opt, self.sched, reader=self.reader, dc=self.dc,
-                                   layer_ids=self.layer_ids, total=self.total, rank=self.rank, world=self.world)
-        if cfg.compile:  # in place: parameter names (checkpoints, export) stay those of the eager model
+        self.state = resumed_state(cfg, self.model, self.opt, self.sched,
+                                   reader=self.reader, dc=self.dc,
+                                   layer_ids=self.layer_ids, total=self.total, rank=self.rank,
+                                   world=self.world)
+        # in place: parameter names (checkpoints, export) stay those of the eager model
+        if cfg.compile:
             self.model.compile_layers()
-        self.ddp = data_parallel(self.model, grad_reduce=cfg.grad_reduce) if self.world > 1 else self.model
+        self.ddp = data_parallel(self.model,
+                                 grad_reduce=cfg.grad_reduce) if self.world > 1 else self.model
         self.loss = loss_settings(cfg, self.device, self.dc)
-        if self.rank == 0:  # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
+        # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
+        if self.rank == 0:
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
-        # shards checked once per run and node, not once per worker process (workers start anew each epoch)
+        # shards checked once per run and node, not once per worker process (workers start anew each
+        # epoch)
         self.verified_dir = str(Path(cfg.out) / ".verified-shards" / socket.gethostname())
         self.record = run_record(cfg, self.dc, m, self.layer_ids, total_steps=self.total,
                                  draft_vocab_coverage=self.vocab_coverage)
-        self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+        self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard,
+                              wandb=cfg.wandb,
                               config={k: self.record[k] for k in ("train", "drafter")})
         self.val_ds, self.val_groups = self._holdout_set()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
         self.best_by = best_by(cfg)
-        best = best_state(best_ck, self.best_by) if best_ck else {"step": self.step, self.best_by: float("-inf")}
+        best = best_state(best_ck, self.best_by) if best_ck else {"step": self.step,
+                                                                  self.best_by: float("-inf")}
         self.best_score = best[self.best_by]
-        self.stale = max(0, self.step - best["step"]) // cfg.val_every  # evaluations since the best (patience)
+        # evaluations since the best (patience)
+        self.stale = max(0, self.step - best["step"]) // cfg.val_every
         self.stats = StepStats(cfg.block_size, self.device)
-        self.saved_at = -1  # the step last checkpointed: a run's end often falls on a --checkpoint-every step
+        # the step last checkpointed: a run's end often falls on a --checkpoint-every step
+        self.saved_at = -1
         # the first step whose loss or gradient norm was not finite (0: none), kept on the device so
         # the check costs no host sync per step; read before every row, evaluation and checkpoint
         self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
@@ -135,8 +161,10 @@ class Trainer:
         return obj
 
     def _follow_view(self, epoch: int) -> StoreView:
-        """The committed samples every rank agrees on; the last epoch waits for the finalized store."""
-        return agree_view(self.reader, rank=self.rank, wait_final=epoch == self.cfg.epochs - 1, share=self._share,
+        """The committed samples every rank agrees on; the last epoch waits for the finalized
+        store."""
+        return agree_view(self.reader, rank=self.rank, wait_final=epoch == self.cfg.epochs - 1,
+                          share=self._share,
                           watch=self.watch)
 
     def _first_view(self) -> StoreView:
@@ -150,15 +178,18 @@ class Trainer:
         return view
 
     def steps_in(self, epoch: int, view: StoreView) -> list[list[list[int]]]:
-        """The epoch's steps over the samples of `view` (held-out ones left out): [step][micro-batch][ids]."""
+        """The epoch's steps over the samples of `view` (held-out ones left out):
+        [step][micro-batch][ids]."""
         cfg, r = self.cfg, self.reader
         ids, lens, bks = r.sample_ids, r.lengths(), r.buckets()
-        keep = np.isin(ids, view.sample_ids)  # in follow mode the reader may hold more than the ranks agreed on
+        # in follow mode the reader may hold more than the ranks agreed on
+        keep = np.isin(ids, view.sample_ids)
         if self.held is not None:
             keep &= ~self.held
         nodes = self.world // self.local_world if cfg.node_affine else 1
         node_of = node_shares(r.home_shards()[keep], lens[keep], nodes) if nodes > 1 else None
-        return plan_epoch(ids[keep], lens[keep], bks[keep], token_budget=cfg.token_budget, seed=cfg.seed, epoch=epoch,
+        return plan_epoch(ids[keep], lens[keep], bks[keep], token_budget=cfg.token_budget,
+                          seed=cfg.seed, epoch=epoch,
                           ranks=self.world, grad_accum=cfg.grad_accum, node_of=node_of, nodes=nodes)
 
     def _steps_per_epoch(self) -> int:
@@ -166,43 +197,55 @@ class Trainer:
         cfg, view = self.cfg, self.view
         n = len(self.steps_in(0, view))
         if n == 0 and view.finalized:  # else it would train 0 steps and say nothing was wrong
-            raise ValueError(f"{cfg.store}: {len(self.reader)} samples make fewer micro-batches of --token-budget "
-                             f"{cfg.token_budget} than one step needs ({self.world} ranks x --grad-accum "
-                             f"{cfg.grad_accum}); lower the token budget or use fewer ranks")
+            raise ValueError(f"{cfg.store}: {len(self.reader)} samples make fewer micro-batches of "
+                             f"--token-budget {cfg.token_budget} than one step needs ({self.world} "
+                             f"ranks x --grad-accum {cfg.grad_accum}); lower the token budget or "
+                             "use fewer ranks")
         if not view.finalized:
             n = int(n * self.reader.manifest.dataset.num_records / max(1, len(view.sample_ids))) + 1
         return n
 
     def loader(self, epoch: int, first: int, view: StoreView):
-        """This rank's micro-batches of an epoch from step `first` on: (the epoch's steps, a started iterator)."""
+        """This rank's micro-batches of an epoch from step `first` on: (the epoch's steps, a started
+        iterator)."""
         cfg, ga = self.cfg, self.cfg.grad_accum
         steps = self.steps_in(epoch, view)
         micro = [mb for s in steps[first:] for mb in s[self.rank * ga:(self.rank + 1) * ga]]
-        keys = [(first + i // ga) * self.world * ga + self.rank * ga + i % ga for i in range(len(micro))]
-        # a store read by URL: this rank's shards of the epoch come now, in parallel, before the workers fork
+        keys = [(first + i // ga) * self.world * ga + self.rank * ga + i % ga
+                for i in range(len(micro))]
+        # a store read by URL: this rank's shards of the epoch come now, in parallel, before the
+        # workers fork
         self.reader.prefetch([s for mb in micro for s in mb])
-        ds = BatchDataset(str(self.reader.root), micro, keys, self.collate, seed=cfg.seed, epoch=epoch, remote=self.reader.url,
+        ds = BatchDataset(str(self.reader.root), micro, keys, self.collate, seed=cfg.seed,
+                          epoch=epoch, remote=self.reader.url,
                           verify_shards=cfg.check_shards, verified_dir=self.verified_dir)
-        dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False, num_workers=cfg.workers,
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False,
+                                         num_workers=cfg.workers,
                                          pin_memory=self.device.type == "cuda",
-                                         prefetch_factor=4 if cfg.workers else None, persistent_workers=False,
-                                         worker_init_fn=self.preempt.worker_init if cfg.workers else None)
+                                         prefetch_factor=4 if cfg.workers else None,
+                                         persistent_workers=False,
+                                         worker_init_fn=(self.preempt.worker_init if cfg.workers
+                                                         else None))
         return steps, iter(dl)
 
     def _holdout_set(self) -> tuple[BatchDataset | None, dict[str, torch.Tensor]]:
-        """The held-out micro-batches of this rank (None without a held-out set) and, where its prompts
-        are the evaluation's held-out ones, their sample ids per domain (train.start.domain_groups)."""
+        """The held-out micro-batches of this rank (None without a held-out set) and, where its
+        prompts are the evaluation's held-out ones, their sample ids per domain
+        (train.start.domain_groups)."""
         if self.val_reader is None and self.held is None:
             return None, {}
-        r = self.reader if self.val_reader is None else self.val_reader  # --val-store: every sample of it
+        # --val-store: every sample of it
+        r = self.reader if self.val_reader is None else self.val_reader
         held = self.held if self.val_reader is None else np.ones(len(r.sample_ids), dtype=bool)
-        ds = replay_dataset(r, held, self.collate, token_budget=self.cfg.token_budget, ranks=self.world,
+        ds = replay_dataset(r, held, self.collate, token_budget=self.cfg.token_budget,
+                            ranks=self.world,
                             rank=self.rank, seed=self.cfg.seed, verify_shards=self.cfg.check_shards)
         return ds, domain_groups(r, held)
 
     # ------------------------------------------------------------------ the steps
     def train_step(self, batches) -> None:
-        """One optimizer step over --grad-accum micro-batches from `batches` (gradients synced on the last)."""
+        """One optimizer step over --grad-accum micro-batches from `batches` (gradients synced on
+        the last)."""
         cfg = self.cfg
         self.opt.zero_grad(set_to_none=True)
         for a in range(cfg.grad_accum):
@@ -227,9 +270,9 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if int(bad):
-            raise ValueError(f"{self.cfg.out}: training diverged at step {int(bad)} (a loss or gradient norm that is "
-                             "NaN or inf); nothing after it was saved. Lower --lr or --clip, or resume from an "
-                             "earlier checkpoint")
+            raise ValueError(f"{self.cfg.out}: training diverged at step {int(bad)} (a loss or "
+                             "gradient norm that is NaN or inf); nothing after it was saved. Lower "
+                             "--lr or --clip, or resume from an earlier checkpoint")
 
     def log_row(self, epoch: int) -> None:
         """One metrics row over the steps since the last one (all ranks take part)."""
@@ -239,37 +282,45 @@ class Trainer:
         acc = s.acc()
         row = {"step": self.step, "epoch": epoch, "loss": float(s["loss"] / s["weight"]),
                "lr": self.sched.get_last_lr()[0], "acc": acc, "sim_tau": acceptance_from_acc(acc),
-               "positions_per_s": float(s["positions"]) / dt, "data_wait_frac": float(s["wait"]) / self.world / dt}
+               "positions_per_s": float(s["positions"]) / dt,
+               "data_wait_frac": float(s["wait"]) / self.world / dt}
         self.log.write(row)
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}")
         self.stats.reset()
 
     def validate(self, epoch: int) -> None:
-        """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as checkpoints/best-STEP."""
+        """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as
+        checkpoints/best-STEP."""
         self.check_finite()
-        row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world, loss=self.loss,
+        row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world,
+                               loss=self.loss,
                                groups=self.val_groups,
-                               tree_budgets=(self.cfg.val_tree_budget,) if self.cfg.val_tree_budget else ())
+                               tree_budgets=(self.cfg.val_tree_budget,
+                                             ) if self.cfg.val_tree_budget else ())
         self.log.write({"step": self.step, "epoch": epoch, **row})
         self.stale += 1
         if row[self.best_by] > self.best_score:  # every rank holds the all-reduced row: all agree
             self.best_score, self.stale = row[self.best_by], 0
             if self.rank == 0:
                 save_best(self.cfg.out, self.step, model=self.model,
-                          state={"step": self.step, "epoch": epoch, **row, "config": self.cfg.to_dict(), **self.record})
+                          state={"step": self.step, "epoch": epoch, **row,
+                                 "config": self.cfg.to_dict(), **self.record})
             if self.world > 1:
                 dist.barrier()
 
     def save(self) -> None:
         """A step-N checkpoint that resumes at the state's (epoch, step in epoch); once per step."""
-        if self.saved_at == self.step:  # the same weights again (GBs at the 8B shape); every rank skips alike
+        # the same weights again (GBs at the 8B shape); every rank skips alike
+        if self.saved_at == self.step:
             return
         self.check_finite()
         self.saved_at = self.step
         if self.rank == 0:
-            save_checkpoint(self.cfg.out, self.step, model=self.model, optimizer=self.opt, scheduler=self.sched,
+            save_checkpoint(self.cfg.out, self.step, model=self.model, optimizer=self.opt,
+                            scheduler=self.sched,
                             keep=self.cfg.keep_checkpoints,
-                            state={"step": self.step, "epoch": self.state.epoch, "step_in_epoch": self.state.in_epoch,
+                            state={"step": self.step, "epoch": self.state.epoch,
+                                   "step_in_epoch": self.state.in_epoch,
                                    "config": self.cfg.to_dict(), **self.record})
         if self.world > 1:
             dist.barrier()
@@ -278,38 +329,47 @@ class Trainer:
     def _start_next_epoch_early(self, epoch: int, s_idx: int, first: int, n_steps: int) -> bool:
         cfg = self.cfg
         left = n_steps - s_idx  # steps of this epoch still to run, this one included
-        return (s_idx == max(first, n_steps - AHEAD_STEPS) and cfg.workers > 0 and epoch + 1 < cfg.epochs
-                and self.step + left < self.total and not (cfg.follow and epoch + 1 == cfg.epochs - 1))
+        return (s_idx == max(first, n_steps - AHEAD_STEPS) and cfg.workers > 0
+                and epoch + 1 < cfg.epochs
+                and self.step + left < self.total and not (cfg.follow
+                                                           and epoch + 1 == cfg.epochs - 1))
 
     def run_epoch(self, epoch: int, first: int, steps, batches) -> tuple[bool, Any]:
-        """Steps `first`.. of an epoch: (whether the run is done, the next epoch's loader if started)."""
+        """Steps `first`.. of an epoch: (whether the run is done, the next epoch's loader if
+        started)."""
         cfg, ahead = self.cfg, None
         for s_idx in range(first, len(steps)):
             if self._start_next_epoch_early(epoch, s_idx, first, len(steps)):
-                if cfg.follow:  # in follow mode from what is committed then (not for the last epoch)
+                # in follow mode from what is committed then (not for the last epoch)
+                if cfg.follow:
                     self.view = self._follow_view(epoch + 1)
                 ahead = self.loader(epoch + 1, 0, self.view)
             self.train_step(batches)
             self.bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == self.total:
                 self.log_row(epoch)
-                # the closing held-out pass and checkpoint must fit in the limit too: stop that much early
+                # the closing held-out pass and checkpoint must fit in the limit too: stop that much
+                # early
                 deadline = self.t_start + cfg.time_limit - self.closing_s
-                if cfg.time_limit and self.step < self.total and any_rank_past(deadline, self.device, self.world):
+                if (cfg.time_limit and self.step < self.total
+                        and any_rank_past(deadline, self.device, self.world)):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
                 if any_rank(self.preempt.requested(), self.device, self.world):
-                    self.state.stopping("signal")  # SIGTERM or SIGINT: the closing checkpoint is this step's
+                    # SIGTERM or SIGINT: the closing checkpoint is this step's
+                    self.state.stopping("signal")
             self.state.epoch, self.state.in_epoch = epoch, s_idx + 1
             t_pause = time.time()
             if self.val_ds is not None and self.step % cfg.val_every == 0:
                 self.validate(epoch)
                 if cfg.patience and self.stale >= cfg.patience:
-                    self.state.stopping("patience")  # the checkpoint below and the final one are this step's
+                    # the checkpoint below and the final one are this step's
+                    self.state.stopping("patience")
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save()
             paused = time.time() - t_pause
             self.stats.pause(paused)  # a row rates training steps, not validation or saving
-            self.closing_s = max(self.closing_s, paused)  # the longest held-out pass + checkpoint so far
+            # the longest held-out pass + checkpoint so far
+            self.closing_s = max(self.closing_s, paused)
             if self.step >= self.total:
                 self.state.stopping("steps")
             if self.state.stop:
@@ -318,11 +378,14 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
-        compiled = [name for name, on in (("FlexAttention", self.loss.use_flex), ("the drafter layers", cfg.compile)) if on]
+        compiled = [name
+                    for name, on in (("FlexAttention", self.loss.use_flex),
+                                     ("the drafter layers", cfg.compile)) if on]
         if self.rank == 0 and compiled:  # a silent first step of minutes looks like a hang
-            print(f"the first step compiles {' and '.join(compiled)} (minutes on a machine's first run; the inductor "
-                  "cache makes later runs quick)", flush=True)
-        self.bar = tqdm(total=self.total, initial=self.step, disable=self.rank != 0, desc="train", unit="step")
+            print(f"the first step compiles {' and '.join(compiled)} (minutes on a machine's first "
+                  "run; the inductor cache makes later runs quick)", flush=True)
+        self.bar = tqdm(total=self.total, initial=self.step, disable=self.rank != 0, desc="train",
+                        unit="step")
         self.stats.reset()
         start_epoch, skip = self.state.epoch, self.state.in_epoch
         epoch, done, ahead = start_epoch, self.step >= self.total, None
@@ -337,7 +400,8 @@ class Trainer:
                 self.state.epoch, self.state.in_epoch = epoch + 1, 0
             epoch += 1
         self.bar.close()
-        if self.stats.micro_batches:  # steps since the last row (a run ended by its epochs between rows)
+        # steps since the last row (a run ended by its epochs between rows)
+        if self.stats.micro_batches:
             self.log_row(epoch - 1)
         if self.val_ds is not None and self.step % cfg.val_every:
             self.validate(epoch - 1)  # the epoch of the last step (the loop counted one past it)
@@ -353,8 +417,10 @@ class Trainer:
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train a drafter as `cfg` says (one rank; under torchrun every rank calls it). Rank 0 holds
-    RUN.lock for the run's life: a second run into the same --out is refused at once, naming the first."""
+    RUN.lock for the run's life: a second run into the same --out is refused at once, naming the
+    first."""
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    lock = WriterLock(cfg.out, what="run directory") if World.from_env().rank == 0 else contextlib.nullcontext()
+    first = World.from_env().rank == 0
+    lock = WriterLock(cfg.out, what="run directory") if first else contextlib.nullcontext()
     with lock, Preemption() as preempt:
         return Trainer(cfg, preempt).fit()

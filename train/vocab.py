@@ -19,7 +19,8 @@ import torch
 
 from cache_format.reader import StoreReader
 
-__all__ = ["OUT_OF_VOCAB", "answer_token_counts", "coverage", "draft_labels", "draft_vocab", "target_to_draft"]
+__all__ = ["OUT_OF_VOCAB", "answer_token_counts", "coverage", "draft_labels", "draft_vocab",
+           "target_to_draft"]
 
 # A label the draft vocabulary cannot produce: the row keeps its place (it counts as a miss in the
 # acceptance figures) but carries no loss (train.losses.draft_loss).
@@ -27,11 +28,13 @@ OUT_OF_VOCAB = -1
 
 
 def draft_vocab(counts: np.ndarray, n: int) -> torch.Tensor:
-    """counts [V] (answer tokens per id) -> [n] long: the n most frequent ids (ties: lower id first),
-    in ascending id order."""
+    """counts [V] (answer tokens per id) -> [n] long: the n most frequent ids (ties: lower id
+    first), in ascending id order."""
     if not 0 < n <= len(counts):
-        raise ValueError(f"draft vocabulary size must be in 1..{len(counts)} (the target's vocabulary), got {n}")
-    order = np.lexsort((np.arange(len(counts)), -counts.astype(np.int64)))  # by count desc, then id asc
+        raise ValueError(f"draft vocabulary size must be in 1..{len(counts)} (the target's "
+                         f"vocabulary), got {n}")
+    # by count desc, then id asc
+    order = np.lexsort((np.arange(len(counts)), -counts.astype(np.int64)))
     return torch.from_numpy(np.sort(order[:n]).astype(np.int64))
 
 
@@ -42,7 +45,8 @@ def coverage(counts: np.ndarray, ids: torch.Tensor) -> float:
 
 
 def target_to_draft(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[V] long: each target id's index in the draft vocabulary `ids` [n], OUT_OF_VOCAB where absent."""
+    """[V] long: each target id's index in the draft vocabulary `ids` [n], OUT_OF_VOCAB where
+    absent."""
     t2d = torch.full((vocab_size,), OUT_OF_VOCAB, dtype=torch.long)
     t2d[ids] = torch.arange(len(ids))
     return t2d
@@ -56,8 +60,8 @@ def draft_labels(labels: torch.Tensor, t2d: torch.Tensor, ignore: int) -> torch.
 
 
 def answer_token_counts(reader: StoreReader, train_rows: np.ndarray, vocab_size: int) -> np.ndarray:
-    """[V] int64: how often each id is an answer token (loss_mask 1) of the samples at the index rows
-    marked in train_rows (bool [rows]); token arrays only, read one length group at a time."""
+    """[V] int64: how often each id is an answer token (loss_mask 1) of the samples at the index
+    rows marked in train_rows (bool [rows]); token arrays only, read one length group at a time."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     idx = reader.index
     for g, key in enumerate(idx.groups):

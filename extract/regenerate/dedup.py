@@ -81,7 +81,8 @@ def _first_users(path: Path) -> list[str]:
     line stops with chat.conversations' one-line error naming file and line."""
     try:
         return [next((m["content"] for m in msgs if m["role"] == "user"), "")
-                for _, msgs in read_conversations(path, skip_bad=False, require_assistant=False, allow_empty=True)]
+                for _, msgs in read_conversations(path, skip_bad=False, require_assistant=False,
+                                                  allow_empty=True)]
     except BadRecord as e:
         raise click.ClickException(str(e)) from None
 
@@ -91,12 +92,13 @@ def out_options(command):
     command = click.option("--limit", default=0, show_default=True, type=click.IntRange(min=0),
                            help="Keep at most N prompts (0: all).")(command)
     return click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-                        help="Prompts file to write (one user turn a line), for `python -m extract.regenerate "
-                        "--prompts`.")(command)
+                        help="Prompts file to write (one user turn a line), for `python -m "
+                        "extract.regenerate --prompts`.")(command)
 
 
 @click.command()
-@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+@click.option("--prompts", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A JSONL of conversations; each one's first user message is the prompt.")
 @out_options
 def main(prompts: Path, out: Path, limit: int) -> None:
@@ -109,11 +111,13 @@ def main(prompts: Path, out: Path, limit: int) -> None:
 
 
 def write_prompts(texts: Sequence[str], out: Path, limit: int = 0) -> tuple[int, int]:
-    """A prompts file (one user turn a line, written whole) of `texts` less their near-duplicates and
-    echoes of any evaluation prompt, the first `limit` kept (0: all). Returns (kept, dropped)."""
+    """A prompts file (one user turn a line, written whole) of `texts` less their near-duplicates
+    and echoes of any evaluation prompt, the first `limit` kept (0: all). Returns (kept,
+    dropped)."""
     drop = set(near_duplicates(texts, reference=heldout_user_texts()))
     kept = [t for k, t in enumerate(texts) if k not in drop][: limit or None]
-    lines = "".join(json.dumps({"messages": [{"role": "user", "content": t}]}, ensure_ascii=False) + "\n" for t in kept)
+    lines = "".join(json.dumps({"messages": [{"role": "user", "content": t}]}, ensure_ascii=False)
+                    + "\n" for t in kept)
     atomic_write_bytes(out, lines.encode("utf-8"))
     return len(kept), len(drop)
 

@@ -1,6 +1,6 @@
 """A local OpenAI-compatible server for trying the openai engine without a GPU cluster.
 
-    python -m extract.regenerate.local_server --port 8011          # packaged SmolLM2 on 127.0.0.1:8011
+    python -m extract.regenerate.local_server --port 8011  # packaged SmolLM2 on 127.0.0.1:8011
     python -m extract.regenerate --engine openai --base-url http://127.0.0.1:8011/v1 \\
         --model "$(python -m extract.regenerate.local_server --print-model)" --out x.jsonl --limit 8
 
@@ -46,7 +46,8 @@ def _die_with_parent() -> None:
 class LocalServer:
     """`transformers serve MODEL_DIR` on 127.0.0.1:port, started and stopped by this object."""
 
-    def __init__(self, model_dir: str, port: int = 0, *, log: str | None = None, continuous_batching: bool = False):
+    def __init__(self, model_dir: str, port: int = 0, *, log: str | None = None,
+                 continuous_batching: bool = False):
         self.model_dir, self.port = str(model_dir), port or free_port()
         self.log, self.cb, self.proc = log, continuous_batching, None
 
@@ -55,26 +56,32 @@ class LocalServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, timeout: float = 180.0) -> LocalServer:
-        exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+        exe = shutil.which("transformers",
+                           path=str(Path(sys.executable).parent)) or shutil.which("transformers")
         if exe is None:
-            raise ValueError("`transformers serve` is not installed: pip install 'transformers[serving]'")
-        cmd = [exe, "serve", self.model_dir, "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port)]
+            raise ValueError("`transformers serve` is not installed: pip install "
+                             "'transformers[serving]'")
+        cmd = [exe, "serve", self.model_dir, "--device", "cpu", "--host", "127.0.0.1", "--port",
+               str(self.port)]
         if self.cb:
             cmd.append("--continuous-batching")
         out = open(self.log, "ab") if self.log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1"},
                                      preexec_fn=_die_with_parent)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise ValueError(f"transformers serve exited with {self.proc.returncode} (log: {self.log})")
+                raise ValueError(f"transformers serve exited with {self.proc.returncode} (log: "
+                                 f"{self.log})")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
                     return self
             except OSError:
                 time.sleep(0.5)
         self.stop()
-        raise ValueError(f"transformers serve did not answer on port {self.port} within {timeout:.0f} s")
+        raise ValueError(f"transformers serve did not answer on port {self.port} within "
+                         f"{timeout:.0f} s")
 
     def stop(self) -> None:
         """End the server process this object started (kill -9)."""
@@ -91,13 +98,17 @@ class LocalServer:
 
 
 @click.command()
-@click.option("--target", default="", help="HF directory or .gguf; default: the packaged SmolLM2 GGUF.")
+@click.option("--target", default="",
+              help="HF directory or .gguf; default: the packaged SmolLM2 GGUF.")
 @click.option("--dir", "model_dir", default="stores/served_target", show_default=True,
               help="Where the plain HF copy of the target is written (reused if present).")
 @click.option("--port", default=8011, show_default=True)
-@click.option("--continuous-batching", is_flag=True, help="transformers serve --continuous-batching.")
-@click.option("--print-model", is_flag=True, help="Print the model name the server answers to, and exit.")
-def main(target: str, model_dir: str, port: int, continuous_batching: bool, print_model: bool) -> None:
+@click.option("--continuous-batching", is_flag=True,
+              help="transformers serve --continuous-batching.")
+@click.option("--print-model", is_flag=True,
+              help="Print the model name the server answers to, and exit.")
+def main(target: str, model_dir: str, port: int, continuous_batching: bool,
+         print_model: bool) -> None:
     """Serve the target on 127.0.0.1 until Ctrl-C."""
     if print_model:
         click.echo(model_dir)

@@ -57,15 +57,19 @@ def cut_conversation(messages: list[dict], *, min_chars: int = 20) -> tuple[list
     if cut == len(text):
         return messages, 0, len(text)
     kept = text[:cut].rstrip()
-    return ([*messages[:last], {**messages[last], "content": kept}, *messages[last + 1:]], len(text) - len(kept),
+    return ([*messages[:last], {**messages[last], "content": kept}, *messages[last + 1:]],
+            len(text) - len(kept),
             len(text))
 
 
 @click.command()
-@click.option("--data", required=True, help="Conversations (JSONL, or .jsonl.gz): one {\"messages\": [...]} a line; "
+@click.option("--data", required=True,
+              help="Conversations (JSONL, or .jsonl.gz): one {\"messages\": [...]} a line; "
               "other fields are kept.")
-@click.option("--out", required=True, help="The same conversations with looping answers cut (JSONL).")
-@click.option("--min-chars", default=20, show_default=True, help="Shortest line (stripped) that can make a loop.")
+@click.option("--out", required=True,
+              help="The same conversations with looping answers cut (JSONL).")
+@click.option("--min-chars", default=20, show_default=True,
+              help="Shortest line (stripped) that can make a loop.")
 def main(data: str, out: str, min_chars: int) -> None:
     """Cut each conversation's last answer where it starts repeating itself."""
     if min_chars < 1:
@@ -78,7 +82,8 @@ def main(data: str, out: str, min_chars: int) -> None:
                 try:
                     new, gone, answer = cut_conversation(rec["messages"], min_chars=min_chars)
                 except (ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise click.ClickException(f"{data}:{i + 1}: not a conversation record ({type(e).__name__}: {e})") from None
+                    raise click.ClickException(f"{data}:{i + 1}: not a conversation record "
+                                               f"({type(e).__name__}: {e})") from None
                 n, chars, dropped, cut_n = n + 1, chars + answer, dropped + gone, cut_n + (gone > 0)
                 w.write(json.dumps({**rec, "messages": new}, ensure_ascii=False) + "\n")
     except BadRecord as e:
@@ -91,8 +96,8 @@ def main(data: str, out: str, min_chars: int) -> None:
         tmp.unlink(missing_ok=True)
         raise
     tmp.replace(out)  # complete, or not there at all
-    click.echo(f"{n} conversations, {cut_n} answers cut at a loop, {dropped / max(1, chars):.1%} of the answers' "
-               f"characters dropped -> {out}")
+    click.echo(f"{n} conversations, {cut_n} answers cut at a loop, {dropped / max(1, chars):.1%} "
+               f"of the answers' characters dropped -> {out}")
 
 
 if __name__ == "__main__":

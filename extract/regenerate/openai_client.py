@@ -46,7 +46,8 @@ class Reply:
 
 def _post(url: str, body: dict, timeout: float) -> dict:
     data = json.dumps(body).encode("utf-8")
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="POST")
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read().decode("utf-8"))
 
@@ -73,14 +74,16 @@ def _one(req: ServerRequest, index: int, urls: tuple[str, ...], *, timeout: floa
             last = f"{url}: HTTP {e.code} {detail}".strip()
             if e.code not in _RETRYABLE_HTTP:
                 return Reply(req.job, None, error=last, attempts=attempt + 1)
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:  # refused, reset, timeout, bad reply
+        # refused, reset, timeout, bad reply
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
             last = f"{url}: {type(e).__name__}: {e}"
         if attempt < retries:
             time.sleep(min(backoff * 2**attempt, 30.0))
     return Reply(req.job, None, error=last, attempts=retries + 1)
 
 
-def send_all(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], concurrency: int, timeout: float,
+def send_all(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], concurrency: int,
+             timeout: float,
              retries: int, backoff: float = 1.0) -> Iterator[Reply]:
     """Send every request to the servers (this is the client side); replies in completion order, at
     most `concurrency` requests in flight."""
@@ -90,7 +93,8 @@ def send_all(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], c
             nxt = next(it, None)
             if nxt is None:
                 return False
-            pending.add(pool.submit(_one, nxt[1], nxt[0], base_urls, timeout=timeout, retries=retries,
+            pending.add(pool.submit(_one, nxt[1], nxt[0], base_urls, timeout=timeout,
+                                    retries=retries,
                                     backoff=backoff))
             return True
 
@@ -104,10 +108,12 @@ def send_all(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], c
                 submit()
 
 
-def server_results(cfg, opening: str, todo) -> Iterator[tuple[tuple[int, int], str | None, int, int]]:
-    """A regeneration's requests over the servers (cfg: its RegenConfig). todo: [(job, messages or None,
-    sampling key)]; None sends `opening` to the completions endpoint (--invent). Yields (job, text or
-    None, new tokens, attempts); failures are listed in OUT.errors.jsonl, which a rerun retries."""
+def server_results(cfg, opening: str,
+                   todo) -> Iterator[tuple[tuple[int, int], str | None, int, int]]:
+    """A regeneration's requests over the servers (cfg: its RegenConfig). todo: [(job, messages or
+    None, sampling key)]; None sends `opening` to the completions endpoint (--invent). Yields (job,
+    text or None, new tokens, attempts); failures are listed in OUT.errors.jsonl, which a rerun
+    retries."""
 
     def body(msgs, key) -> tuple[str, dict]:
         common = dict(model=cfg.model, max_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -118,12 +124,14 @@ def server_results(cfg, opening: str, todo) -> Iterator[tuple[tuple[int, int], s
         return "chat/completions", dict(messages=msgs, **common, **extra)
 
     reqs = (ServerRequest(job, *body(msgs, key)) for job, msgs, key in todo)
-    # this run retries every request an earlier run listed as failed: the file lists this run's failures
+    # this run retries every request an earlier run listed as failed: the file lists this run's
+    # failures
     errors = Path(cfg.out + ".errors.jsonl")
     errors.unlink(missing_ok=True)
     ef = None  # opened at the first failure: a run without failures leaves no errors file
     try:
-        for r in send_all(reqs, base_urls=cfg.base_url, concurrency=cfg.concurrency, timeout=cfg.request_timeout,
+        for r in send_all(reqs, base_urls=cfg.base_url, concurrency=cfg.concurrency,
+                          timeout=cfg.request_timeout,
                           retries=cfg.retries):
             if r.text is None:
                 ef = ef or open(errors, "a", encoding="utf-8")

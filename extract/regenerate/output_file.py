@@ -31,11 +31,14 @@ class RegenSummary:
     new_tokens: int
     seconds: float
     too_long: int = 0
-    """Conversations not answered: their prompt is as long as the target's context or longer (in-process)."""
+    """Conversations not answered: their prompt is as long as the target's context or longer
+    (in-process)."""
     looping: int = 0
-    """Written conversations whose last answer repeats itself (extract.regenerate.loops.loop_start)."""
+    """Written conversations whose last answer repeats itself
+    (extract.regenerate.loops.loop_start)."""
     stopped_by_signal: int = 0
-    """The signal (SIGTERM, SIGINT) that stopped the run after its last whole record; 0: not stopped."""
+    """The signal (SIGTERM, SIGINT) that stopped the run after its last whole record; 0: not
+    stopped."""
 
 
 def write_results(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | None = None,
@@ -48,21 +51,23 @@ def write_results(cfg: RegenConfig, out: Path, segs, results, log: TurnLog | Non
     bar = tqdm(unit="req", desc="regenerate", mininterval=2.0, file=sys.stderr, disable=None)
     try:
         with open(out, "a", encoding="utf-8") as f:
-            written, failed, tokens, retried, looping = _append(cfg, f, segs, results, log, finished, bar, t0, stop)
+            written, failed, tokens, retried, looping = _append(cfg, f, segs, results, log,
+                                                                finished, bar, t0, stop)
     except OSError as e:  # a full disk or a size limit: the file named, what was fsynced stays
         if e.errno not in WRITE_LIMITS:
             raise
         raise ValueError(f"{write_failure(e, out)}; rerun the same command to go on") from None
     bar.close()
     s = time.perf_counter() - t0
-    msg = f"{written} written, {failed} failed, {tokens} new tokens in {s:.1f} s ({tokens / max(s, 1e-9):,.0f} tok/s)"
+    msg = (f"{written} written, {failed} failed, {tokens} new tokens in {s:.1f} s "
+           f"({tokens / max(s, 1e-9):,.0f} tok/s)")
     if retried:
         msg += f"; {retried} requests needed retries"
     if failed:
         msg += f"; failures in {cfg.out}.errors.jsonl (rerun to retry them)"
     if looping:
-        msg += (f"; {looping} answers repeat themselves (python -m extract.regenerate.loops cuts them where the "
-                "loop starts)")
+        msg += (f"; {looping} answers repeat themselves (python -m extract.regenerate.loops cuts "
+                "them where the loop starts)")
     print(msg, file=sys.stderr)
     return RegenSummary(written, failed, retried, tokens, s, looping=looping)
 
@@ -74,12 +79,14 @@ def _append(cfg: RegenConfig, f, segs, results, log, finished, bar, t0: float,
     written = failed = tokens = retried = looping = 0
     last_sync = t0
     for (i, k), text, n, attempts in results:
-        if stop():  # preempted: what is written is whole; the result in hand is answered again by a rerun
+        # preempted: what is written is whole; the result in hand is answered again by a rerun
+        if stop():
             break
         bar.update(1)
         retried += attempts > 1
         tokens += n
-        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s", refresh=False)
+        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - t0, 1e-9):,.0f} tok/s",
+                            refresh=False)
         if text is None:
             failed += 1
             continue
@@ -87,13 +94,15 @@ def _append(cfg: RegenConfig, f, segs, results, log, finished, bar, t0: float,
             message = (cfg.invent_prefix + text).strip() if text.strip() else ""
             if not message:
                 continue  # an empty message is no prompt
-            rec = {"messages": [{"role": "user", "content": message}], "prompt_index": i, "sample": k}
+            rec = {"messages": [{"role": "user", "content": message}], "prompt_index": i,
+                   "sample": k}
         else:
             answers = log.of((i, k)) + [text.strip()]
             if len(answers) < len(segs[i]):  # more turns to come: kept in the turn log meanwhile
                 log.add((i, k), answers[-1])
                 continue
-            rec = {"messages": history(segs[i], answers[:-1]) + [{"role": "assistant", "content": answers[-1]}],
+            last = {"role": "assistant", "content": answers[-1]}
+            rec = {"messages": history(segs[i], answers[:-1]) + [last],
                    "prompt_index": i, "sample": k}
             finished.add((i, k))
             looping += loop_start(answers[-1]) < len(answers[-1])
@@ -133,5 +142,6 @@ def done_pairs(out: Path, keys: list[str] | None, num_samples: int) -> set[tuple
 
 
 def drop_torn_tail(path: Path) -> None:
-    """Cut a last line without its newline (a run killed mid-write) so appends start on a fresh line."""
+    """Cut a last line without its newline (a run killed mid-write) so appends start on a fresh
+    line."""
     cut_torn_line(path, path.read_bytes())

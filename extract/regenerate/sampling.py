@@ -1,11 +1,11 @@
 """Choosing the next token: greedy, or temperature + top-k + top-p sampling with per-request noise.
 
-The static engine (extract/regenerate/static_engine.py) serves many requests in one batch whose make-up changes
-every few steps (finished rows are refilled from the queue). For a request's text to depend only
-on its own seed, never on which rows it shared a batch with, the sampling noise is a pure function
-of (request key, step, candidate rank): a counter-based hash, not a stateful generator. So a
-resumed run, or the same request on another shard or GPU, draws the same tokens (up to the
-model's own numerics).
+The static engine (extract/regenerate/static_engine.py) serves many requests in one batch whose
+make-up changes every few steps (finished rows are refilled from the queue). For a request's text to
+depend only on its own seed, never on which rows it shared a batch with, the sampling noise is a
+pure function of (request key, step, candidate rank): a counter-based hash, not a stateful
+generator. So a resumed run, or the same request on another shard or GPU, draws the same tokens (up
+to the model's own numerics).
 
 The sampling rule is HF `generate`'s: divide the logits by the temperature, keep the `top_k`
 largest, keep the smallest set of those whose probability mass reaches `top_p` (the token that
@@ -38,7 +38,8 @@ def hash_u32(x: torch.Tensor) -> torch.Tensor:
 
 
 def request_key(seed: int, prompt_index: int, sample: int) -> int:
-    """The 32-bit noise key of one request: (seed, prompt, sample) -> key, independent of batching."""
+    """The 32-bit noise key of one request: (seed, prompt, sample) -> key, independent of
+    batching."""
     digest = hashlib.sha256(f"{seed}/{prompt_index}/{sample}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
@@ -58,7 +59,8 @@ def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return before < top_p
 
 
-def choose_next(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, *, temperature: float,
+def choose_next(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, *,
+                temperature: float,
                 top_k: int, top_p: float) -> torch.Tensor:
     """Next token ids [B] int64 from logits [B, V]. temperature 0: argmax (greedy).
 

@@ -73,13 +73,15 @@ def flash_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash attention needs float16 or bfloat16, the model is {dtype}"
     if "seqused_k" not in str(torch.ops.aten._flash_attention_forward.default._schema):
-        return f"this torch ({torch.__version__}) has no flash attention over used lengths (seqused_k)"
+        return (f"this torch ({torch.__version__}) has no flash attention over used lengths "
+                "(seqused_k)")
     if head_dim % 8 or head_dim > 256:
         return f"flash attention needs a head dim that is a multiple of 8 up to 256, got {head_dim}"
     return ""
 
 
-def flash_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+def flash_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cu_q: torch.Tensor,
+                 cu_k: torch.Tensor,
                  used: torch.Tensor, span: int, scale: float) -> torch.Tensor:
     """One query per row against the first used[b] positions of row b's cache: q [B, Hq, D], caches
     [B, S, Hkv, D] -> [B, Hq, D]. Flash attention over variable lengths (seqused_k: only the written
@@ -99,9 +101,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class StaticEngine:
     """Greedy or sampled generation of many requests; see the module doc."""
 
-    def __init__(self, model: torch.nn.Module, *, batch: int, max_new_tokens: int, eos: Sequence[int],
-                 temperature: float = 0.0, top_k: int = 50, top_p: float = 0.95, sync_every: int = 8,
-                 prefill_tokens: int = 16384, cuda_graph: bool | None = None, attention: str = "auto"):
+    def __init__(self, model: torch.nn.Module, *, batch: int, max_new_tokens: int,
+                 eos: Sequence[int],
+                 temperature: float = 0.0, top_k: int = 50, top_p: float = 0.95,
+                 sync_every: int = 8,
+                 prefill_tokens: int = 16384, cuda_graph: bool | None = None,
+                 attention: str = "auto"):
         if batch < 1 or max_new_tokens < 1 or sync_every < 1:
             raise ValueError("batch, max_new_tokens and sync_every must be >= 1")
         if attention not in ("auto", "flash", "matmul"):
@@ -131,46 +136,59 @@ class StaticEngine:
 
     # ------------------------------------------------------------------ state
     def _allocate(self, capacity: int, rows: int) -> None:
-        """Cache and per-row state for `rows` rows of `capacity` positions; drops any captured graph."""
+        """Cache and per-row state for `rows` rows of `capacity` positions; drops any captured
+        graph."""
         B, dev = rows, self.device
         self.rows_n, self.capacity, self.graphs = rows, capacity, {}
         self.stats["allocations"] += 1
-        # flash: [B, S, Hkv, D], token-major, so the flattened [B * S, Hkv, D] is its packed layout (row b
-        # from b * S); matmuls: [B, Hkv, S, D], contiguous along S, so the span's keys of a (row, head)
-        # are one sweep (the token-major views would make each step copy the span for its matmul)
-        shape = (B, capacity, self.kv_heads, self.head_dim) if self.flash else (B, self.kv_heads, capacity, self.head_dim)
-        self.caches = [(torch.zeros(shape, device=dev, dtype=self.dtype), torch.zeros(shape, device=dev, dtype=self.dtype))
+        # flash: [B, S, Hkv, D], token-major, so the flattened [B * S, Hkv, D] is its packed layout
+        # (row b from b * S); matmuls: [B, Hkv, S, D], contiguous along S, so the span's keys of a
+        # (row, head) are one sweep (the token-major views would make each step copy the span for
+        # its matmul)
+        if self.flash:
+            shape = (B, capacity, self.kv_heads, self.head_dim)
+        else:
+            shape = (B, self.kv_heads, capacity, self.head_dim)
+        self.caches = [(torch.zeros(shape, device=dev, dtype=self.dtype),
+                        torch.zeros(shape, device=dev, dtype=self.dtype))
                        for _ in self.layers]
         pos = torch.arange(capacity, device=dev)[None]
         cos, sin = self.rotary(torch.zeros(1, device=dev, dtype=self.dtype), position_ids=pos)
-        self.cos, self.sin = cos[0], sin[0]  # [capacity, head_dim]: the model's own tables, by position
+        # [capacity, head_dim]: the model's own tables, by position
+        self.cos, self.sin = cos[0], sin[0]
         z = lambda dtype=torch.int64: torch.zeros(B, device=dev, dtype=dtype)
         self.tok, self.pos, self.ngen, self.keys = z(), z(), z(), z()
         self.live = z(torch.bool)  # a request is in the row and has not finished
-        self.out = torch.zeros(B, self.max_new + 1, device=dev, dtype=torch.int64)  # last column: scratch
+        # last column: scratch
+        self.out = torch.zeros(B, self.max_new + 1, device=dev, dtype=torch.int64)
         self._index_rows(B)
         self.slots = torch.arange(capacity, device=dev)
 
     def _index_rows(self, B: int) -> None:
         self.rows = torch.arange(B, device=self.device)
-        # flash attention's offsets: row b's query at b, its keys from b * capacity (int32, as it asks)
+        # flash attention's offsets: row b's query at b, its keys from b * capacity (int32, as it
+        # asks)
         self.cu_q = torch.arange(B + 1, device=self.device, dtype=torch.int32)
         self.cu_k = self.cu_q * self.capacity
 
     # ------------------------------------------------------------------ model
     def _attend(self, layer, x: torch.Tensor, attend_fn: Callable) -> torch.Tensor:
-        """x [N, T, H] -> attention output [N, T, H]; attend_fn(q, k, v) does cache and attention."""
+        """x [N, T, H] -> attention output [N, T, H]; attend_fn(q, k, v) does cache and
+        attention."""
         a = layer.self_attn
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q, k, v = a.q_proj(x).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)  # [N, T, heads, D]
+        # [N, T, heads, D]
+        q, k, v = a.q_proj(x).view(shape), a.k_proj(x).view(shape), a.v_proj(x).view(shape)
         if hasattr(a, "q_norm"):  # qwen3: RMSNorm over each head
             q, k = a.q_norm(q), a.k_norm(k)
         o = attend_fn(q, k, v)  # [N, T, heads, D]
         return a.o_proj(o.reshape(*x.shape[:-1], -1))
 
-    def _layers(self, h: torch.Tensor, attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
+    def _layers(self, h: torch.Tensor,
+                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
         for i, layer in enumerate(self.layers):
-            h = h + self._attend(layer, layer.input_layernorm(h), lambda q, k, v, i=i: attend(i, q, k, v))
+            h = h + self._attend(layer, layer.input_layernorm(h), lambda q, k, v,
+                                 i=i: attend(i, q, k, v))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
@@ -179,19 +197,25 @@ class StaticEngine:
 
     def _decode_step(self, span: int) -> None:
         """One token for every row, in place on the state tensors (graph-safe: no host sync).
-        Attention reads cache positions [0, span) only: every live row's position must lie below it."""
+        Attention reads cache positions [0, span) only: every live row's position must lie below
+        it."""
         B = self.rows_n
-        cos, sin = self.cos[self.pos][:, None, None], self.sin[self.pos][:, None, None]  # [B, 1, 1, D]
+        # [B, 1, 1, D]
+        cos, sin = self.cos[self.pos][:, None, None], self.sin[self.pos][:, None, None]
         heads = torch.arange(self.kv_heads, device=self.device)
-        # flat [B * Hkv]: the cache slot of (row b, position pos[b], kv head h) in the flattened cache
+        # flat [B * Hkv]: the cache slot of (row b, position pos[b], kv head h) in the flattened
+        # cache
         if self.flash:
-            flat = ((self.rows[:, None] * self.capacity + self.pos[:, None]) * self.kv_heads + heads[None]).reshape(-1)
-            # [B]: positions each live row has written, this step's included; a finished row waiting for
-            # a refill or a compaction reads one position instead of its whole answer
+            slot = self.rows[:, None] * self.capacity + self.pos[:, None]
+            flat = (slot * self.kv_heads + heads[None]).reshape(-1)
+            # [B]: positions each live row has written, this step's included; a finished row waiting
+            # for a refill or a compaction reads one position instead of its whole answer
             used = torch.where(self.live, self.pos + 1, 1).to(torch.int32)
         else:
-            flat = ((self.rows[:, None] * self.kv_heads + heads[None]) * self.capacity + self.pos[:, None]).reshape(-1)
-            hidden = (self.slots[None, :span] > self.pos[:, None])[:, None, None, :]  # [B, 1, 1, span]: not yet written
+            head_row = self.rows[:, None] * self.kv_heads + heads[None]
+            flat = (head_row * self.capacity + self.pos[:, None]).reshape(-1)
+            # [B, 1, 1, span]: not yet written
+            hidden = (self.slots[None, :span] > self.pos[:, None])[:, None, None, :]
 
         def attend(i, q, k, v):  # q [B, 1, Hq, D], k/v [B, 1, Hkv, D]
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
@@ -199,15 +223,18 @@ class StaticEngine:
             kc.view(-1, self.head_dim).index_copy_(0, flat, k.reshape(-1, self.head_dim))
             vc.view(-1, self.head_dim).index_copy_(0, flat, v.reshape(-1, self.head_dim))
             if self.flash:
-                o = flash_decode(q[:, 0].contiguous(), kc, vc, self.cu_q, self.cu_k, used, span, self.scaling)  # [B, Hq, D]
+                # [B, Hq, D]
+                o = flash_decode(q[:, 0].contiguous(), kc, vc, self.cu_q, self.cu_k, used, span,
+                                 self.scaling)
                 return o[:, None]
             kc, vc = kc[:, :, :span], vc[:, :, :span]  # [B, Hkv, span, D]: views, strided along B
             # the query heads of one kv head share its keys: [B, Hkv, G, D] against [B, Hkv, S, D].
-            # Plain matmuls (as HF's eager attention: scores in the model dtype, softmax in float32):
-            # each reads the cache once, whatever the attention backends accept.
+            # Plain matmuls (as HF's eager attention: scores in the model dtype, softmax in
+            # float32): each reads the cache once, whatever the attention backends accept.
             qg = q[:, 0].reshape(B, self.kv_heads, self.groups, self.head_dim)
             scores = torch.matmul(qg, kc.transpose(-1, -2)) * self.scaling  # [B, Hkv, G, span]
-            probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), dim=-1).to(qg.dtype)
+            probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")),
+                                  dim=-1).to(qg.dtype)
             return torch.matmul(probs, vc).reshape(B, 1, -1, self.head_dim)  # [B, 1, Hq, D]
 
         h = self._layers(self.embed(self.tok)[:, None], attend)  # [B, 1, H]
@@ -222,7 +249,8 @@ class StaticEngine:
         self.live.copy_(live & ~stop)
 
     def _prefill(self, rows: list[int], reqs: list[Request]) -> None:
-        """Prompts of `reqs` into cache rows `rows`; their first new token chosen; the rows made live."""
+        """Prompts of `reqs` into cache rows `rows`; their first new token chosen; the rows made
+        live."""
         dev, T = self.device, max(len(r.prompt) for r in reqs)
         ids = torch.zeros(len(reqs), T, device=dev, dtype=torch.int64)
         for j, r in enumerate(reqs):
@@ -240,7 +268,8 @@ class StaticEngine:
                 kc[rows_t, :, :T], vc[rows_t, :, :T] = k.transpose(1, 2), v.transpose(1, 2)
             kk = k.repeat_interleave(self.groups, dim=2).transpose(1, 2)
             vv = v.repeat_interleave(self.groups, dim=2).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=True, scale=self.scaling)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, is_causal=True,
+                                               scale=self.scaling)
             return o.transpose(1, 2)
 
         h = self._layers(self.embed(ids), attend)  # [n, T, H]
@@ -250,7 +279,8 @@ class StaticEngine:
         self.out[rows_t, 0] = first
         self.tok[rows_t], self.pos[rows_t], self.keys[rows_t] = first, lens, keys
         self.ngen[rows_t] = 1
-        stop = (first[:, None] == self.eos[None]).any(-1) | torch.tensor(self.max_new <= 1, device=dev)
+        stop = ((first[:, None] == self.eos[None]).any(-1)
+                | torch.tensor(self.max_new <= 1, device=dev))
         self.live[rows_t] = ~stop
 
     def _step(self, span: int) -> None:
@@ -274,9 +304,10 @@ class StaticEngine:
         graph.replay()
 
     def _span(self, furthest: int) -> int:
-        """Cache positions a window must attend over when the furthest row writes position `furthest`
-        first: a power of two (few graphs), at least 64, at most the capacity."""
-        need = furthest + self.sync_every  # the window's last write lands at furthest + sync_every - 1
+        """Cache positions a window must attend over when the furthest row writes position
+        `furthest` first: a power of two (few graphs), at least 64, at most the capacity."""
+        # the window's last write lands at furthest + sync_every - 1
+        need = furthest + self.sync_every
         return min(self.capacity, 1 << max(6, (need - 1).bit_length()))
 
     def _compact(self, keep: list[int]) -> None:
@@ -295,10 +326,10 @@ class StaticEngine:
         """Yield (job, new token ids) per request as each finishes (eos kept, if it ended on one).
 
         Requests are served shortest prompt first. The cache is sized for the next `batch`
-        requests (rows: at most as many as are left; positions: the longest of them + max_new_tokens,
-        rounded up to a power of two); a request that does not fit waits until the batch drains,
-        then the cache is rebuilt for the requests left. Once the queue is empty and at most half
-        of the rows are live, the live rows are compacted into a smaller batch.
+        requests (rows: at most as many as are left; positions: the longest of them +
+        max_new_tokens, rounded up to a power of two); a request that does not fit waits until the
+        batch drains, then the cache is rebuilt for the requests left. Once the queue is empty and
+        at most half of the rows are live, the live rows are compacted into a smaller batch.
         """
         queue = deque(sorted(requests, key=lambda r: len(r.prompt)))
         owner: dict[int, Request] = {}
@@ -311,10 +342,12 @@ class StaticEngine:
                     self._allocate(1 << max(6, (need - 1).bit_length()), rows)
                 free = [b for b in range(self.rows_n) if b not in owner]
                 take: list[Request] = []
-                while queue and len(take) < len(free) and len(queue[0].prompt) + self.max_new <= self.capacity:
+                fits = lambda r: len(r.prompt) + self.max_new <= self.capacity
+                while queue and len(take) < len(free) and fits(queue[0]):
                     take.append(queue.popleft())
                 # prefill groups within the token budget (take is sorted by length: little padding)
-                for idx in token_budget_batches(range(len(take)), [len(r.prompt) for r in take], self.prefill_tokens):
+                for idx in token_budget_batches(range(len(take)), [len(r.prompt) for r in take],
+                                                self.prefill_tokens):
                     group, rows_g = [take[k] for k in idx], [free[k] for k in idx]
                     self._prefill(rows_g, group)
                     self.stats["prefills"] += 1

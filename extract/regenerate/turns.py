@@ -29,12 +29,14 @@ __all__ = ["TurnLog", "conversation_key", "turn_key"]
 def conversation_key(asked: list[dict]) -> str:
     """A conversation's identity by content: what it asks (its messages but the assistant's), so a
     resume matches it wherever it sits in a reordered prompt file."""
-    blob = json.dumps([[m["role"], m["content"]] for m in asked if m["role"] != "assistant"], ensure_ascii=False)
+    blob = json.dumps([[m["role"], m["content"]] for m in asked if m["role"] != "assistant"],
+                      ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
 def turn_key(seed: int, prompt_index: int, sample: int, turn: int) -> int:
-    """The sampling key of a turn: turn 0's is request_key's (one-turn data draws what it always did)."""
+    """The sampling key of a turn: turn 0's is request_key's (one-turn data draws what it always
+    did)."""
     return request_key(seed if turn == 0 else seed * 1_000_003 + turn, prompt_index, sample)
 
 
@@ -49,7 +51,8 @@ class TurnLog:
         for i, key in enumerate(keys):
             self._index.setdefault(key, i)
         self._answers: dict[tuple[str, int], list[str]] = {}
-        # complete lines only; a torn last line (a killed run) is cut off and its turn generated again
+        # complete lines only; a torn last line (a killed run) is cut off and its turn generated
+        # again
         entries, _ = read_commit_log(self.path, repair=True)
         for r in entries:
             try:
@@ -57,14 +60,16 @@ class TurnLog:
                 if r["turn"] == len(got):  # in order; a duplicate or a gap is not ours
                     got.append(r["content"])
             except (KeyError, TypeError):
-                raise ValueError(f"{self.path}: a line is not a turn record; remove the file to start the "
-                                 "unfinished conversations over") from None
+                raise ValueError(f"{self.path}: a line is not a turn record; remove the file to "
+                                 "start the unfinished conversations over") from None
         self._f = None
 
     @property
     def answers(self) -> dict[tuple[int, int], list[str]]:
-        """The answers so far of the conversations of this prompt file, by (prompt index, sample)."""
-        return {(self._index[key], k): a for (key, k), a in self._answers.items() if key in self._index}
+        """The answers so far of the conversations of this prompt file, by (prompt index,
+        sample)."""
+        return {(self._index[key], k): a for (key, k), a in self._answers.items()
+                if key in self._index}
 
     def of(self, job: tuple[int, int]) -> list[str]:
         return self._answers.get((self.keys[job[0]], job[1]), [])
@@ -73,7 +78,8 @@ class TurnLog:
         turn = len(self.of(job))
         if self._f is None:
             self._f = open(self.path, "a", encoding="utf-8")
-        self._f.write(json.dumps({"key": self.keys[job[0]], "prompt_index": job[0], "sample": job[1], "turn": turn,
+        self._f.write(json.dumps({"key": self.keys[job[0]], "prompt_index": job[0],
+                                  "sample": job[1], "turn": turn,
                                   "content": text}, ensure_ascii=False) + "\n")
         self._answers.setdefault((self.keys[job[0]], job[1]), []).append(text)
 

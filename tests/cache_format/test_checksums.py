@@ -134,7 +134,9 @@ def test_training_checks_each_shard_on_first_read(sound, tmp_path):
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
     key = shard.relative_to(store).parts[:2]
     assert f"{store / key[0] / key[1]} shard" in errors[0] and "hidden" in errors[0] and "mismatch" in errors[0]
-    from train.config import TrainConfig  # off: the same options in this process (no second start-up)
+    from train.config import (
+        TrainConfig,  # off: the same options in this process (no second start-up)
+    )
     from train.trainer import train
 
     train(TrainConfig(store=str(store), out=str(tmp_path / "off"), num_layers=1, block_size=4, num_anchors=8,

@@ -15,7 +15,13 @@ from cache_format import CacheFormatError, StoreReader
 from cache_format.mirror import Mirror
 from cache_format.remote import open_bucket
 from tests.cache_format.fault_proxy import KINDS, FaultProxy
-from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
+from tests.helpers import (
+    assert_sample_equal,
+    make_manifest,
+    make_sample,
+    sample_length,
+    write_store,
+)
 
 N = 24
 

@@ -13,7 +13,13 @@ from cache_format import CacheFormatError, StoreReader
 from cache_format.layout import commit_log_path
 from cache_format.mirror import Lease, Mirror
 from cache_format.remote import LEASE_KEY, open_bucket, pull
-from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
+from tests.helpers import (
+    assert_sample_equal,
+    make_manifest,
+    make_sample,
+    sample_length,
+    write_store,
+)
 
 
 @pytest.fixture

@@ -20,7 +20,13 @@ from cache_format import (
 )
 from cache_format.audit import verify_store
 from tests.cache_format import workers
-from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
+from tests.helpers import (
+    assert_sample_equal,
+    make_manifest,
+    make_sample,
+    sample_length,
+    write_store,
+)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

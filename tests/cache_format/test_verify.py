@@ -12,7 +12,13 @@ from click.testing import CliRunner
 from cache_format import FORMAT_VERSION, StoreReader, UnknownFormatVersionError
 from cache_format.__main__ import cli
 from cache_format.audit import verify_store
-from tests.helpers import assert_sample_equal, make_manifest, make_sample, sample_length, write_store
+from tests.helpers import (
+    assert_sample_equal,
+    make_manifest,
+    make_sample,
+    sample_length,
+    write_store,
+)
 
 
 @pytest.fixture

@@ -20,7 +20,14 @@ def _store_of_greedy_outputs(target_dir: str, prompts: str, store: str, new_toke
     byte tokens do not survive decode -> re-encode, so the stored sequences would not be what the
     target generates and no drafter could be accepted.
     """
-    from cache_format import DatasetInfo, Manifest, ShardWriter, create_store, finalize_store, write_frozen
+    from cache_format import (
+        DatasetInfo,
+        Manifest,
+        ShardWriter,
+        create_store,
+        finalize_store,
+        write_frozen,
+    )
     from chat.conversations import read_conversations
     from target.loader import capture, frozen_parts, load_target
     from train.spec_decode import target_generate

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import random
 
-from train.acceptance import decode_chain, draft_checks, leading_matches, per_response_tau, vocab_rejections
+from train.acceptance import (
+    decode_chain,
+    draft_checks,
+    leading_matches,
+    per_response_tau,
+    vocab_rejections,
+)
 
 
 def _decode_like_spec_generate(accepts: list[int], new_tokens: int) -> list[int]:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, resolve_checkpoint, save_best, save_checkpoint
+from train.checkpoint import (
+    best_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_best,
+    save_checkpoint,
+)
 
 
 def _model(value: float) -> torch.nn.Module:

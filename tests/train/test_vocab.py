@@ -12,7 +12,14 @@ from cache_format import StoreReader
 from tests.helpers import make_manifest, write_store
 from train.anchors import IGNORE
 from train.losses import decay_weights, draft_loss
-from train.vocab import OUT_OF_VOCAB, answer_token_counts, coverage, draft_labels, draft_vocab, target_to_draft
+from train.vocab import (
+    OUT_OF_VOCAB,
+    answer_token_counts,
+    coverage,
+    draft_labels,
+    draft_vocab,
+    target_to_draft,
+)
 
 
 def test_draft_vocab_takes_the_most_frequent_ids_lower_id_first_on_ties():

@@ -7,7 +7,13 @@ import copy
 import pytest
 import torch
 
-from extract.regenerate.sampling import choose_next, hash_u32, request_key, top_p_mask, uniform_noise
+from extract.regenerate.sampling import (
+    choose_next,
+    hash_u32,
+    request_key,
+    top_p_mask,
+    uniform_noise,
+)
 from extract.regenerate.static_engine import Request, StaticEngine, supports
 from tests.helpers import tiny_target_dir
 
