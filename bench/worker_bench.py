@@ -22,7 +22,8 @@ import torch
 
 from bench.common import SHAPES
 from bench.train_bench import bench_batches, drafter_config, make_store
-from cache_format.reader import StoreReader, check_shard
+from cache_format.reader import StoreReader
+from cache_format.shard_check import check_shard
 
 
 def main() -> None:

@@ -13,8 +13,9 @@ from cache_format.checksums import check_checksums
 from cache_format.codec import checksum
 from cache_format.errors import CacheFormatError
 from cache_format.layout import STATE_KEY, read_root_attrs
-from cache_format.reader import StoreReader, check_shard
+from cache_format.reader import StoreReader
 from cache_format.remote import default_local, is_url, object_sizes, pull
+from cache_format.shard_check import check_shard
 
 __all__ = ["inspect_store", "verify_store"]
 
