@@ -87,8 +87,7 @@ def verify_store(path: str | os.PathLike) -> dict[str, Any]:
         if not bad_files:
             raise
         return {"ok": False, "bad_files": bad_files, "num_samples": 0, "num_shards": 0,
-                "duplicate_sample_ids": [],
-                "bad_shards": [{"shard": "(index)", "reason": str(e)}]}
+                "duplicate_sample_ids": [], "bad_shards": [{"shard": "(index)", "reason": str(e)}]}
     idx = r.index
     bad: dict[str, str] = {}
     for gi, key in enumerate(idx.groups):

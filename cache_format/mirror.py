@@ -270,6 +270,32 @@ def clear(url: str, bucket=None) -> None:
         raise CacheFormatError(f"{url}: cannot delete the old store ({_brief(e)})") from None
 
 
+def _prepare_prefix(url: str, local: str | os.PathLike, bucket, *, overwrite: bool) -> None:
+    """Clear the prefix (`overwrite`), or pull a resume's metadata, done-logs and unsettled shards
+    into `local`; refuse a prefix that holds something else, or committed shards lost from both."""
+    there = set(_listing(bucket, url)) - {LEASE_KEY}
+    # our root goes up first: not a store of ours
+    if there and "zarr.json" not in there and not overwrite:
+        raise CacheFormatError(f"{url}: holds {len(there)} objects but no draftcache store; "
+                               "choose an empty prefix, or --overwrite to delete them")
+    if overwrite:
+        clear(url, bucket)
+    elif there:  # a resume: metadata, done-logs, unsettled shards (never a settled one)
+        pull(url, local, data=False, bucket=bucket)
+        logs = {f"commits/{p.name}": p.read_bytes()
+                for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
+        m = read_manifest(Path(local))
+        settled = set(_settled_shards(m, logs))
+        # a log the server lacks stays as the stage has it (a rerun on the same machine), its
+        # shards too
+        lost = sorted(k for k in settled - there if not (Path(local) / k).exists())
+        if lost:  # its rows are committed, so no writer would write them again
+            raise _lost(url, lost[0],
+                        f" ({len(lost)} shard files in all)" if len(lost) > 1 else "")
+        fetch(url, Path(local), sorted(k for k in there if _is_data(k) and k not in settled),
+              bucket)
+
+
 @contextmanager
 def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0,
                overwrite: bool = False) -> Iterator[Mirror]:
@@ -282,29 +308,7 @@ def writing_to(url: str, local: str | os.PathLike, *, ttl: float = 60.0,
     Settled shards leave `local` once they are on the server (Mirror's evict)."""
     lease = Lease(url, ttl=ttl).acquire()
     try:
-        there = set(_listing(lease.bucket, url)) - {LEASE_KEY}
-        # our root goes up first: not a store of ours
-        if there and "zarr.json" not in there and not overwrite:
-            raise CacheFormatError(f"{url}: holds {len(there)} objects but no draftcache store; "
-                                   "choose an empty prefix, or --overwrite to delete them")
-        if overwrite:
-            clear(url, lease.bucket)
-        # a resume: the metadata, done-logs and unsettled shards (a writer never reads a settled
-        # one)
-        elif there:
-            pull(url, local, data=False, bucket=lease.bucket)
-            logs = {f"commits/{p.name}": p.read_bytes()
-                    for p in sorted((Path(local) / "commits").glob("*.jsonl"))}
-            m = read_manifest(Path(local))
-            settled = set(_settled_shards(m, logs))
-            # a log the server lacks stays as the stage has it (a rerun on the same machine), its
-            # shards too
-            lost = sorted(k for k in settled - there if not (Path(local) / k).exists())
-            if lost:  # its rows are committed, so no writer would write them again
-                raise _lost(url, lost[0],
-                            f" ({len(lost)} shard files in all)" if len(lost) > 1 else "")
-            fetch(url, Path(local), sorted(k for k in there if _is_data(k) and k not in settled),
-                  lease.bucket)
+        _prepare_prefix(url, local, lease.bucket, overwrite=overwrite)
     except BaseException:
         lease.release()
         raise

@@ -84,8 +84,7 @@ class StoreReader:
             self.index, self._follower = load_index(self.root)
         except CacheFormatError:
             raise
-        # damaged zarr metadata fails inside zarr in many ways
-        except Exception as e:
+        except Exception as e:  # damaged zarr metadata fails inside zarr in many ways
             raise CacheFormatError(f"{self.root}: the index cannot be read ({brief(e)}); "
                                    f"python -m cache_format verify {self.root} names the damaged "
                                    "files") from None
@@ -185,8 +184,7 @@ class StoreReader:
                 parts = {name: f.get_tensor(name) for name in f.keys() if wanted(name)}
             if tied:
                 parts.setdefault("lm_head.weight", parts["embed_tokens.weight"])  # tied embeddings
-        # safetensors raises its own error types on a damaged file
-        except Exception as e:
+        except Exception as e:  # safetensors raises its own error types on a damaged file
             raise CacheFormatError(f"{path}: damaged ({brief(e)}); "
                                    "extract the store again") from None
         return parts
@@ -200,8 +198,7 @@ class StoreReader:
             try:
                 g = zarr.open_group(str(self.root / key), mode="r", use_consolidated=False)
                 self._handles[key] = {name: g[name] for name in self._arrays}
-            # damaged zarr metadata fails inside zarr in many ways
-            except Exception as e:
+            except Exception as e:  # damaged zarr metadata fails inside zarr in many ways
                 raise CacheFormatError(f"{self.root / key}: cannot be opened ({brief(e)}); "
                                        f"python -m cache_format verify {self.root} names the "
                                        "damaged files") from None
@@ -237,8 +234,7 @@ class StoreReader:
         """
         rows = [self.index.locate(int(s)) for s in sample_ids]
         if self.url:
-            fetch(self.url, self.root,
-                  [k for g, shard in self._shards(rows)
+            fetch(self.url, self.root, [k for g, shard in self._shards(rows)
                    for k in shard_keys(self._tokens, g, shard)])
         if self.verify_shards:
             self._verify_rows(rows)
@@ -269,8 +265,7 @@ class StoreReader:
         if not self.url:
             return 0
         rows = [self.index.locate(int(s)) for s in sample_ids]
-        return fetch(self.url, self.root,
-                     [k for g, shard in self._shards(rows)
+        return fetch(self.url, self.root, [k for g, shard in self._shards(rows)
                       for k in shard_keys(self._tokens, g, shard)],
                      parallel=parallel)
 

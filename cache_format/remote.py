@@ -56,8 +56,7 @@ except ImportError:  # pragma: no cover - the GPU image runs without it
 from cache_format.errors import CacheFormatError
 
 __all__ = ["LEASE_KEY", "cache_root", "default_local", "fetch", "is_url", "lease_gone",
-           "local_copy", "object_sizes",
-           "open_bucket", "pull"]
+           "local_copy", "object_sizes", "open_bucket", "pull"]
 
 LEASE_KEY = "LEASE.json"
 # rewritten in place by finalize; re-read at every open

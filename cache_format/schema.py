@@ -62,8 +62,7 @@ def check_field_types(obj: Any) -> None:
         elif hint is str:
             ok = isinstance(value, str)
         elif origin is tuple:
-            ok = isinstance(value,
-                            tuple) and all(isinstance(v, int) and not isinstance(v, bool)
+            ok = isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool)
                                            for v in value)
         elif origin is dict or hint is dict:
             ok = isinstance(value, dict)

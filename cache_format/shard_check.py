@@ -65,8 +65,8 @@ def _committed_rows(reader: StoreReader, key: str, lo: int, rows: int):
         out = np.empty((rows, a.width) if a.width else (rows,), dtype=a.dtype)
         try:
             reader._raw.read(key, a, lo, lo + rows, out)
-        # a damaged shard index: this shard's fault, named by check_shard
         except CacheFormatError as e:
+            # a damaged shard index: this shard's fault, named by check_shard
             raise ValueError(str(e)) from None
         yield a.name, out
 

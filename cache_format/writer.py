@@ -311,8 +311,7 @@ class ShardWriter:
             self._spare.append(f.result())
 
     def _write(self, b: int, base: int, fill: int, buf: dict[str, np.ndarray],
-               done: list[tuple[int, int]],
-               quant_err: list[float]) -> dict[str, np.ndarray]:
+               done: list[tuple[int, int]], quant_err: list[float]) -> dict[str, np.ndarray]:
         """Write rows [base, base+fill) of bucket `b` as one whole shard, then commit `done`;
         returns `buf`."""
         end = base + fill

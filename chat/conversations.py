@@ -61,8 +61,8 @@ def _parse(line: str, where: str, require_assistant: bool = True,
             raise BadRecord(f"{where}: message {i} content is not a string")
         try:
             m[key_text].encode("utf-8")
-        # JSON can spell a lone UTF-16 surrogate; no tokenizer takes it
         except UnicodeEncodeError as e:
+            # JSON can spell a lone UTF-16 surrogate; no tokenizer takes it
             raise BadRecord(f"{where}: message {i} holds a lone surrogate {e.object[e.start]!r} at "
                             f"character {e.start} (not valid Unicode)") from None
         # answered, it trains on a reply to nothing
@@ -91,8 +91,8 @@ def jsonl_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
 def _text(raw: bytes, path: str | Path, lineno: int) -> str:
     try:
         return raw.decode("utf-8-sig" if lineno == 0 else "utf-8")  # a BOM may open the file
-    # a line that is not UTF-8 is one bad record, named, not a crash
     except UnicodeDecodeError as e:
+        # a line that is not UTF-8 is one bad record, named, not a crash
         raise BadRecord(f"{path}:{lineno + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte "
                         f"{e.start} of the line)") from None
 
@@ -112,8 +112,7 @@ def jsonl_records(path: str | Path) -> Iterator[tuple[int, dict]]:
 
 
 def read_conversations(path: str | Path, *, skip_bad: bool, limit: int = 0,
-                       bad: list[str] | None = None,
-                       require_assistant: bool = True,
+                       bad: list[str] | None = None, require_assistant: bool = True,
                        allow_empty: bool = False) -> Iterator[tuple[int, list[dict[str, str]]]]:
     """(sample id = 0-based line number, messages) for every usable line of a JSONL (or .jsonl.gz)
     file.

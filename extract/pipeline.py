@@ -11,7 +11,6 @@ the GPU rather than exhausting memory.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from collections import Counter
@@ -50,6 +49,19 @@ def _finite_rows(hid: torch.Tensor, last: torch.Tensor | None, att: torch.Tensor
     if last is not None:
         bad |= ~torch.isfinite(last).all(-1)
     return ~(bad & att.bool()).any(-1)
+
+
+def _fields_on(stream, hid: torch.Tensor, last: torch.Tensor | None, ok: torch.Tensor,
+              att: torch.Tensor, num_taps: int, quant: str):
+    """_device_fields of a batch, computed on `stream` (the copy's side stream) or, with None, on
+    the current one."""
+    if stream is None:
+        return _device_fields(hid, last, ok, att, num_taps, quant)
+    stream.wait_stream(torch.cuda.current_stream())
+    for x in (hid, ok, att) + ((last,) if last is not None else ()):
+        x.record_stream(stream)  # read there: their memory must outlive the side stream's use
+    with torch.cuda.stream(stream):
+        return _device_fields(hid, last, ok, att, num_taps, quant)
 
 
 def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[Sequence[Rendered]],
@@ -95,13 +107,8 @@ def run_batches(model: torch.nn.Module, layer_ids: list[int], batches: Sequence[
                     on_batch(sum(len(r.input_ids) for r in batch))
                     continue
                 beside = bool(quant) and quant_beside and copy_stream is not None
-                if beside:
-                    copy_stream.wait_stream(torch.cuda.current_stream())
-                    for x in (hid, ok, att) + ((last,) if last is not None else ()):
-                        # read there: their memory must outlive the side stream's use
-                        x.record_stream(copy_stream)
-                with torch.cuda.stream(copy_stream) if beside else contextlib.nullcontext():
-                    fields, small = _device_fields(hid, last, ok, att, len(layer_ids), quant)
+                fields, small = _fields_on(copy_stream if beside else None, hid, last, ok, att,
+                                           len(layer_ids), quant)
                 slot = ring.take(failed=lambda: bool(failure))
                 if slot is None:
                     break

@@ -66,8 +66,7 @@ def render(sample_id: int, messages: list[dict[str, str]], tokenizer, *, max_len
 
 
 def render_many(records: list[tuple[int, list[dict[str, str]]]], tokenizer, *, max_len: int,
-                processes: int = 1,
-                min_parallel: int = 20_000,
+                processes: int = 1, min_parallel: int = 20_000,
                 template_kwargs: dict | None = None) -> list[Rendered | BadRecord]:
     """render() over (sample_id, messages) pairs, in order; each result the Rendered or the
     BadRecord it raised. From `min_parallel` records on, chunks go to `processes` spawned processes:

@@ -29,8 +29,7 @@ class HostRing:
     """
 
     def __init__(self, slots: int, max_tokens: int, fields: dict[str, tuple[int, torch.dtype]],
-                 *, pin: bool,
-                 shared: bool) -> None:
+                 *, pin: bool, shared: bool) -> None:
         if slots < 1 or max_tokens < 1:
             raise ValueError("a ring needs at least one slot of at least one token")
         self.max_tokens, self.fields = max_tokens, dict(fields)

@@ -168,8 +168,7 @@ def _run_to_url(cfg: ExtractConfig, world: World, preemptible: bool = False) -> 
     # the stage no longer holds the complete shards: the server's figures
     info = inspect_store(cfg.store)
     return {**summary, "store": cfg.store, "stage_dir": str(stage),
-            "bytes_per_token": info["bytes_per_token"],
-            "store_bytes": info["disk_bytes"]}
+            "bytes_per_token": info["bytes_per_token"], "store_bytes": info["disk_bytes"]}
 
 
 def _create(cfg: ExtractConfig, world: World, target, layer_ids: list[int], samples: list[Rendered],
@@ -186,8 +185,7 @@ def _create(cfg: ExtractConfig, world: World, target, layer_ids: list[int], samp
                                                          num_records=len(samples)),
         max_len=cfg.max_len, bucket_bounds=default_bucket_bounds(cfg.max_len), dtype=cfg.dtype,
         compression=cfg.compression, rows_per_shard=rows_per_shard,
-        rows_per_chunk=min(32, rows_per_shard),
-        extract_config=cfg.to_dict(),
+        rows_per_chunk=min(32, rows_per_shard), extract_config=cfg.to_dict(),
     )
     if world.rank == 0:
         # a bad layer id is refused before the store exists
@@ -291,18 +289,15 @@ def _extract(cfg: ExtractConfig, world: World, device: torch.device, t0: float, 
     # ------------------------------------------------------------------ finalize and report
     tokens = sum(len(by_id[s].input_ids) for s in mine)
     mine_stats = {"tokens": tokens, "seconds": elapsed,
-                  "written": len(mine) - sum(nonfinite.values()),
-                  "nonfinite": dict(nonfinite)}
+                  "written": len(mine) - sum(nonfinite.values()), "nonfinite": dict(nonfinite)}
     summary = _finalize(cfg, world, manifest, mine_stats, skipped, data=data,
-                        already_committed=len(committed),
-                        layer_ids=layer_ids, t0=t0)
+                        already_committed=len(committed), layer_ids=layer_ids, t0=t0)
     world.barrier()
     return summary
 
 
 def _forward_all(cfg: ExtractConfig, world: World, device: torch.device, target,
-                 layer_ids: list[int],
-                 mine: list[Rendered], *, stop) -> tuple[Counter, float]:
+                 layer_ids: list[int], mine: list[Rendered], *, stop) -> tuple[Counter, float]:
     """This rank's samples through the target into the store's writers: (refused counts,
     seconds)."""
     h = target.info.hidden_size
@@ -324,8 +319,7 @@ def _forward_all(cfg: ExtractConfig, world: World, device: torch.device, target,
     t_loop = time.time()
     try:
         nonfinite = run_batches(target.model, layer_ids, [[by_id[s] for s in b] for b in batches],
-                                writers, ring,
-                                last_hidden=cfg.last_hidden, quant=quant,
+                                writers, ring, last_hidden=cfg.last_hidden, quant=quant,
                                 on_batch=bar.update, stop=stop)
     finally:
         bar.close()

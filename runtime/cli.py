@@ -136,8 +136,7 @@ def _option(field: dataclasses.Field, hint: Any, doc: str, sep: str) -> click.Op
         kind = _Seq(typing.get_args(hint)[0], sep)
         shown = sep.join(map(str, default)) if default else "none"
         return click.Option([flag, field.name], type=kind, default=default,
-                            required=required, help=doc,
-                            show_default=shown)
+                            required=required, help=doc, show_default=shown)
     kind = {int: click.INT, float: click.FLOAT, str: click.STRING}[hint]
     return click.Option([flag, field.name], type=kind, default=default, required=required, help=doc,
                         show_default=default not in ("", None))

@@ -27,8 +27,7 @@ class World:
     def from_env(cls) -> World:
         env = os.environ
         return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
-                   int(env.get("LOCAL_RANK", 0)),
-                   int(env.get("LOCAL_WORLD_SIZE", 1)))
+                   int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1)))
 
     @property
     def device(self) -> torch.device:

@@ -29,8 +29,7 @@ from cache_format.schema import TargetInfo
 from target.converted import entry_lock, gguf_parsed_once, read_entry, write_entry, write_hf_dir
 
 __all__ = ["LoadedTarget", "capture", "choose_mask_token", "decoder_parts", "load_target",
-           "mask_token_of",
-           "chat_ids", "eos_ids", "packaged_gguf", "save_hf_dir", "target_sha256",
+           "mask_token_of", "chat_ids", "eos_ids", "packaged_gguf", "save_hf_dir", "target_sha256",
            "tokenizer_sha256"]
 
 
@@ -169,8 +168,7 @@ def _from_files(path: Path, gguf: bool, dtype: torch.dtype):
     where = str(path.parent if gguf else path)
     try:
         tok = AutoTokenizer.from_pretrained(where, **kw)
-    # transformers raises many types, often with multi-line text
-    except Exception as e:
+    except Exception as e:  # transformers raises many types, often with multi-line text
         raise ValueError(f"target {path}: cannot load its tokenizer ({brief(e)})") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).eval()

@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from target.loader import capture
 
 __all__ = ["decode_chain", "draft_checks", "leading_matches", "per_response_tau",
-           "teacher_forced_accepts",
-           "vocab_rejections"]
+           "teacher_forced_accepts", "vocab_rejections"]
 
 
 def leading_matches(draft: list[int], truth: list[int]) -> int:

@@ -79,8 +79,7 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_k: torch.Tensor,
-                    ctx_v: torch.Tensor,
-                    mask: SplitMask, flex=None) -> torch.Tensor:
+                    ctx_v: torch.Tensor, mask: SplitMask, flex=None) -> torch.Tensor:
     """q [B, nh, Q, hd], the blocks' k, v [B, nkv, Q, hd], the context's ctx_k, ctx_v [B, nkv, T,
     hd] -> out [B, nh, Q, hd]. `flex`: the flex_attention function when mask.context is a
     BlockMask."""

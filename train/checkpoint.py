@@ -21,8 +21,7 @@ from runtime.oserrors import write_failure
 CHECKSUMS = "checksums.json"  # sha256 of each file of a checkpoint, written last before the rename
 
 __all__ = ["best_checkpoint", "latest_checkpoint", "load_checkpoint", "resolve_checkpoint",
-           "save_best",
-           "save_checkpoint", "set_aside_after"]
+           "save_best", "save_checkpoint", "set_aside_after"]
 
 
 def _steps(root: Path, prefix: str) -> list[int]:
@@ -46,8 +45,7 @@ def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
         # a flipped byte in the weights would load as other weights: every file's sha256 beside them
         sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1))
-    # a full disk reaches us as OSError or safetensors' own error
-    except Exception as e:
+    except Exception as e:  # a full disk reaches us as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"the checkpoint could not be written: {write_failure(e, root / name)}; "
                          "the earlier checkpoints are untouched") from None
@@ -57,8 +55,7 @@ def _write(root: Path, name: str, model: torch.nn.Module, state: dict[str, Any],
 
 
 def save_checkpoint(run: str | os.PathLike, step: int, *, model: torch.nn.Module,
-                    optimizer, scheduler,
-                    state: dict[str, Any], keep: int) -> Path:
+                    optimizer, scheduler, state: dict[str, Any], keep: int) -> Path:
     root = Path(run) / "checkpoints"
     final = _write(root, f"step-{step}", model, state,
                    {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()})

@@ -218,10 +218,6 @@ class TrainConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.num_layers < 1 or self.num_anchors < 1 or self.epochs < 1:
             raise ValueError("num_layers, num_anchors and epochs must be >= 1")
-        if self.loss not in ("ce", "kl", "mix"):
-            raise ValueError(f"loss must be ce, kl or mix, got {self.loss!r}")
-        if self.divergence not in DIVERGENCES:
-            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
         if self.kl_weight > 1:
             raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
         if self.lr == 0 or self.warmup >= 1 or self.clip == 0:  # finite and >= 0: check_numbers
@@ -237,6 +233,16 @@ class TrainConfig:
             raise ValueError(f"loss_chunk must be >= 1, got {self.loss_chunk}")
         if self.val_every < 1:
             raise ValueError(f"val_every must be >= 1, got {self.val_every}")
+        self._check_held_out()
+        if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
+            raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
+        self._check_choices()
+        for flag, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+            if getattr(self, flag) and importlib.util.find_spec(module) is None:
+                raise ValueError(f"--{flag} needs the {module} package: pip install {module}")
+
+    def _check_held_out(self) -> None:
+        """The held-out options agree with each other and with --follow."""
         if self.val_samples and self.val_store:
             raise ValueError("give val_samples (held out of the training store) or val_store, not "
                              "both (--val-samples 0 beside --val-store where a config file sets "
@@ -251,23 +257,17 @@ class TrainConfig:
                              "follow")
         if self.val_samples and self.follow:
             raise ValueError("val_samples needs the whole store to choose from: not with follow")
-        if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
-            raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
-        if self.position_weights not in POSITION_WEIGHTS:
-            raise ValueError(f"position_weights must be one of {POSITION_WEIGHTS}, got "
-                             f"{self.position_weights!r}")
-        if self.loss_backward not in LOSS_BACKWARDS:
-            raise ValueError(f"loss_backward must be one of {LOSS_BACKWARDS}, got "
-                             f"{self.loss_backward!r}")
-        if self.grad_reduce not in GRAD_REDUCES:
-            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}")
-        for flag, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
-            if getattr(self, flag) and importlib.util.find_spec(module) is None:
-                raise ValueError(f"--{flag} needs the {module} package: pip install {module}")
-        if self.verify_shards not in ("auto", "on", "off"):
-            raise ValueError(f"verify_shards must be auto, on or off, got {self.verify_shards!r}")
-        if self.attention not in ("auto", "flex", "sdpa"):
-            raise ValueError(f"attention must be auto, flex or sdpa, got {self.attention!r}")
+
+    def _check_choices(self) -> None:
+        """Each option with a fixed set of values holds one of them."""
+        for name, allowed in (("loss", ("ce", "kl", "mix")), ("divergence", DIVERGENCES),
+                              ("position_weights", POSITION_WEIGHTS),
+                              ("loss_backward", LOSS_BACKWARDS), ("grad_reduce", GRAD_REDUCES),
+                              ("verify_shards", ("auto", "on", "off")),
+                              ("attention", ("auto", "flex", "sdpa"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {tuple(allowed)}, got "
+                                 f"{getattr(self, name)!r}")
 
     @property
     def effective_kl_weight(self) -> float:
@@ -291,7 +291,5 @@ class TrainConfig:
 RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
                "follow_timeout", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
-               "val_every",
-               "patience",
-               "loss_chunk", "loss_backward", "grad_reduce",
+               "val_every", "patience", "loss_chunk", "loss_backward", "grad_reduce",
                "follow", "compile", "out")

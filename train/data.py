@@ -20,13 +20,11 @@ from train.anchors import IGNORE, build_blocks, sample_anchors
 from train.replay import anchor_spans
 
 __all__ = ["BatchDataset", "CollateSettings", "collate", "holdout_mask", "node_shares",
-           "plan_epoch", "plan_holdout", "replay_dataset",
-           "to_device"]
+           "plan_epoch", "plan_holdout", "replay_dataset", "to_device"]
 
 
 def _micro_batches(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray,
-                   token_budget: int,
-                   g: np.random.Generator) -> list[list[int]]:
+                   token_budget: int, g: np.random.Generator) -> list[list[int]]:
     """Micro-batches of one length bucket each, at most token_budget context tokens (count x
     longest), samples shuffled within their bucket, micro-batches shuffled."""
     micro: list[list[int]] = []
@@ -124,8 +122,7 @@ def holdout_mask(sample_ids: np.ndarray, n: int, seed: int,
 
 
 def plan_holdout(sample_ids: np.ndarray, lengths: np.ndarray, buckets: np.ndarray, *,
-                 token_budget: int,
-                 ranks: int, rank: int) -> list[list[int]]:
+                 token_budget: int, ranks: int, rank: int) -> list[list[int]]:
     """This rank's micro-batches of the held-out samples: every sample in exactly one rank's
     list."""
     micro = plan_epoch(sample_ids, lengths, buckets, token_budget=token_budget, seed=0, epoch=0,
@@ -168,8 +165,7 @@ class BatchDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if self._reader is None:
             self._reader = StoreReader(self.store, verify_shards=self.verify_shards,
-                                       remote=self.remote,
-                                       verified_dir=self.verified_dir)
+                                       remote=self.remote, verified_dir=self.verified_dir)
         # a fixed mix of (seed, epoch, key): Python's hash() of ints is stable across processes
         mix = (self.seed * 1_000_003 + self.epoch) * 1_000_003 + self.keys[i]
         g = torch.Generator().manual_seed(mix)
@@ -188,17 +184,14 @@ def replay_dataset(reader: StoreReader, rows: np.ndarray, settings: CollateSetti
     responses (train.replay); the same blocks at every evaluation."""
     lengths = reader.lengths()[rows]
     micro = plan_holdout(reader.sample_ids[rows], lengths, reader.buckets()[rows],
-                         token_budget=token_budget,
-                         ranks=ranks, rank=rank)
+                         token_budget=token_budget, ranks=ranks, rank=rank)
     every = dataclasses.replace(settings, num_anchors=int(lengths.max(initial=1)))
     return BatchDataset(str(reader.root), micro, list(range(len(micro))), every, seed=seed,
-                        remote=reader.url,
-                        epoch=-1, verify_shards=verify_shards)
+                        remote=reader.url, epoch=-1, verify_shards=verify_shards)
 
 
 def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors: int,
-            block_size: int,
-            mask_token_id: int, generator: torch.Generator,
+            block_size: int, mask_token_id: int, generator: torch.Generator,
             with_last_hidden: bool) -> dict[str, torch.Tensor]:
     """Pad a micro-batch into the batch keys: "hidden" [b, T, K'*H] (the taps chosen by tap_index),
     "sample_id" [b], "anchors" [b, N] and "anchor_span" [b, N] (the response span of each anchor, -1

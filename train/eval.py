@@ -51,8 +51,9 @@ def _prompts(spec: str, limit: int) -> list[tuple[str, list[dict]]]:
         prompts = validation_prompts()
     elif spec == "multiturn":
         prompts = heldout_multiturn()
-    # assistant turns are answered again by the target (_answer_earlier_turns): τ of the last turn
     else:
+        # assistant turns are answered again by the target (_answer_earlier_turns): τ of the
+        # last turn
         prompts = [(f"{spec}:{sid + 1}", msgs)
                    for sid, msgs in read_conversations(spec, skip_bad=False,
                                                        require_assistant=False)]
@@ -66,8 +67,7 @@ def _answer_earlier_turns(model, tok, msgs: list[dict], *, max_new_tokens: int,
     segs, answers = segments(msgs), []
     for _ in segs[:-1]:
         reply = target_generate(model, chat_ids(tok, history(segs, answers)),
-                                max_new_tokens=max_new_tokens,
-                                eos=eos).tokens
+                                max_new_tokens=max_new_tokens, eos=eos).tokens
         answers.append(tok.decode(reply, skip_special_tokens=True).strip())
     return history(segs, answers)
 
@@ -100,8 +100,7 @@ def _drafters(run: str, checkpoint: str, export: str,
         try:
             model, info = AutoModel.from_pretrained(export, trust_remote_code=True,
                                                     dtype=torch.bfloat16, output_loading_info=True)
-        # transformers raises many types for a damaged directory
-        except Exception as e:
+        except Exception as e:  # transformers raises many types for a damaged directory
             raise ValueError(f"{export}: cannot be loaded as an export ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
         wrong = [*info.get("missing_keys", []), *[k[0] if isinstance(k, tuple) else k

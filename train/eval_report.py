@@ -17,8 +17,7 @@ from chat.prompts import domain_of
 from train.acceptance import per_response_tau
 
 __all__ = ["Tally", "by_source", "plot", "source_of", "summary", "tau_so_far",
-           "teacher_forced_figures",
-           "vocab_coverage"]
+           "teacher_forced_figures", "vocab_coverage"]
 
 
 @dataclass

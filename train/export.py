@@ -35,8 +35,7 @@ from train.modeling_dflash import DFlashDraftModel
 from train.speculators_layout import write_speculators
 
 __all__ = ["SERVED_FILES", "ExportConfig", "export_config", "export_run", "from_export_names",
-           "hf_drafter",
-           "to_export_names", "write_export"]
+           "hf_drafter", "to_export_names", "write_export"]
 
 # the export's code: the modeling file AutoModel loads and the modules it imports (relative imports,
 # which transformers copies along with trust_remote_code)
@@ -65,8 +64,7 @@ def from_export_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = False,
-               whole_head: bool = True,
-               layout: str = "dflash") -> Path:
+               whole_head: bool = True, layout: str = "dflash") -> Path:
     """Write the run's chosen checkpoint to `out`; a non-empty `out` is refused unless `overwrite`
     (files of another export beside ours would be served with it). `whole_head`: a drafter trained
     with a draft vocabulary is exported to draft from the target's whole lm_head (no draft_ids):
@@ -106,8 +104,7 @@ def export_run(run: str, out: str, checkpoint: str = "", *, overwrite: bool = Fa
     except ValueError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # a full disk reaches us as OSError or safetensors' own error
-    except Exception as e:
+    except Exception as e:  # a full disk reaches us as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"{out}: the export could not be written "
                          f"({' '.join(str(e).split())[:200]}); the previous export, if any, is "
@@ -309,8 +306,7 @@ def main(cfg: ExportConfig) -> None:
     """Export a trained drafter for SGLang / vLLM (z-lab DFlash layout)."""
     try:
         dst = export_run(cfg.run, cfg.out, cfg.checkpoint, overwrite=cfg.overwrite,
-                         whole_head=not cfg.draft_head,
-                         layout=cfg.layout)
+                         whole_head=not cfg.draft_head, layout=cfg.layout)
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"exported to {dst}")

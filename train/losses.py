@@ -149,8 +149,7 @@ def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, 
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and backward == "fused":
         return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight,
-                                    divergence, penalty,
-                                    chunk, compiled)
+                                    divergence, penalty, chunk, compiled)
     losses, hits = [], []
     for i in range(0, len(rows), chunk):
         sl = slice(i, i + chunk)
@@ -178,17 +177,15 @@ def _with_head(rows, lm_head, tea, bias_rows, bias_head):
 
 
 def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *,
-               block_size: int,
-               gamma: float, teacher: torch.Tensor | None = None, kl_weight: float = 0.0,
-               divergence: str = "kl", confidence_penalty: float = 0.0, chunk: int = 2048,
-               backward: str = "fused", compiled: bool = False,
+               block_size: int, gamma: float, teacher: torch.Tensor | None = None,
+               kl_weight: float = 0.0, divergence: str = "kl", confidence_penalty: float = 0.0,
+               chunk: int = 2048, backward: str = "fused", compiled: bool = False,
                weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
                spans: torch.Tensor | None = None, replay: bool = False,
-               bias_rows: torch.Tensor | None = None,
-               bias_head: torch.Tensor | None = None) -> LossOut:
+               bias_rows: torch.Tensor | None = None, bias_head: torch.Tensor | None = None
+               ) -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss) indexing lm_head's rows
-    (OUT_OF_VOCAB: a token a draft vocabulary lacks, no loss and never a hit); teacher [B, Q, H] or
-    None.
+    (OUT_OF_VOCAB: a token a draft vocabulary lacks, no loss, never a hit); teacher [B, Q, H]/None.
 
     teacher is the target's final (post-norm) state at position p+k-1 for slot k: its lm_head
     distribution is the soft label for token p+k, weighted kl_weight against CE through
@@ -208,21 +205,18 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     bias_rows [B, Q, r], bias_head [V, r]: a Markov head (train.markov_head) adds bias_rows @
     bias_head.T to the logits; "fused" then runs as "recompute" (it makes no gradient for the head).
     """
-    if backward not in LOSS_BACKWARDS:
-        raise ValueError(f"backward must be one of {LOSS_BACKWARDS}, got {backward!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    for name, value, allowed in (("backward", backward, LOSS_BACKWARDS),
+                                 ("divergence", divergence, DIVERGENCES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     b, q, h = hidden.shape
     if lm_head.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
         lm_head = lm_head.to(hidden.dtype)  # CPU float32 training over a bf16 store
     slot = torch.arange(q, device=hidden.device) % block_size
     keep = labels != IGNORE
     rows, lab, s = hidden[keep], labels[keep], slot.expand(b, q)[keep]
-    # a label the draft vocabulary lacks (train.vocab): no loss, and a miss in the acceptance
-    # figures
-    in_vocab = lab != OUT_OF_VOCAB
-    # the store's teacher states are bf16; on CPU the drafter trains in float32 (no autocast)
-    tea = teacher[keep].to(rows.dtype) if teacher is not None else None
+    in_vocab = lab != OUT_OF_VOCAB  # a label the draft vocabulary lacks (train.vocab): a miss
+    tea = teacher[keep].to(rows.dtype) if teacher is not None else None  # bf16; f32 on a CPU
     if kl_weight > 0 and tea is None:
         raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state "
                          "(extract with --last-hidden)")
@@ -235,19 +229,17 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     loss, wsum, dense = _weighted_mean(row_loss, hit, keep, in_vocab, weighting or Weighting(),
                                        anchors, spans, block_size=block_size, gamma=gamma,
                                        replay=replay)
-    correct = torch.zeros(block_size, device=hidden.device).index_add_(0, s, hit.float())
-    ones = torch.ones_like(hit, dtype=torch.float32)
-    count = torch.zeros(block_size, device=hidden.device).index_add_(0, s, ones)
-    out = LossOut(loss=loss, weight_sum=wsum.detach(), correct=correct.detach(),
-                  count=count.detach())
+    zeros = torch.zeros(block_size, device=hidden.device)  # [block]: hits and rows per slot
+    out = LossOut(loss=loss, weight_sum=wsum.detach(),
+                  correct=zeros.index_add(0, s, hit.float()).detach(),
+                  count=zeros.index_add(0, s, torch.ones_like(hit, dtype=torch.float32)).detach())
     if replay:
         out["accepts"] = block_accepts(dense)
     return out
 
 
 def _weighted_mean(row_loss, hit, keep, in_vocab, weighting: Weighting, anchors, spans, *,
-                   block_size: int,
-                   gamma: float, replay: bool):
+                   block_size: int, gamma: float, replay: bool):
     """The labelled rows' loss [n] averaged by their weights: (loss, weight sum, and the hits laid
     out by block [B, N, bs] where the weights or `replay` need them, else None). keep [B, Q] marks
     the labelled rows, hit and in_vocab [n] are theirs."""

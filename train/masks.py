@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["FLEX_TILE", "block_tiles", "dense_context_mask", "dense_mask", "flex_block_mask",
-           "flex_context_mask",
-           "use_flex_attention"]
+           "flex_context_mask", "use_flex_attention"]
 
 FLEX_TILE = 128  # the BlockMask tile: query rows x keys the kernels take or skip as one
 
@@ -86,8 +85,7 @@ def _block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, tile: int,
 
     (kv_num, kv_idx), (full_num, full_idx) = _ordered(partial), _ordered(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile),
-                                    mask_mod=mask_mod,
-                                    seq_lengths=seq_lengths)
+                                    mask_mod=mask_mod, seq_lengths=seq_lengths)
 
 
 def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE):
@@ -119,8 +117,7 @@ def flex_context_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile
         return kv_idx < anchors[bi, q_idx // block_size]
 
     return _block_mask(*block_tiles(anchors, ctx_len, block_size, tile, blocks=False),
-                       mask_mod, tile,
-                       (q_len, ctx_len))
+                       mask_mod, tile, (q_len, ctx_len))
 
 
 # FlexAttention's kernels refuse smaller heads (inductor's "NYI: embedding dimension")

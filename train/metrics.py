@@ -37,8 +37,7 @@ class MetricsLog:
             import wandb as wb
 
             self._wb = wb.init(project=os.environ.get("WANDB_PROJECT", "draftcache"), dir=str(run),
-                               config=config,
-                               name=Path(run).name, resume="allow")
+                               config=config, name=Path(run).name, resume="allow")
 
     def write(self, row: dict[str, Any]) -> None:
         if not self.enabled:

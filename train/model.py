@@ -173,8 +173,7 @@ class DFlashDrafter(nn.Module):
                 for layer in self.layers]
 
     def forward(self, taps: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor,
-                block_pos: torch.Tensor,
-                mask: torch.Tensor | object | None) -> torch.Tensor:
+                block_pos: torch.Tensor, mask: torch.Tensor | object | None) -> torch.Tensor:
         """Training: taps [B, T, K*H], ctx_pos [B, T], blocks [B, Q], mask [B, Q, T+Q] -> hidden [B,
         Q, H]."""
         return self.draft(block_ids, block_pos, self.context_kv(taps, ctx_pos), mask)

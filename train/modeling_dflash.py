@@ -121,8 +121,7 @@ class _Attention(nn.Module):
         mask = None if ctx_valid is None else torch.cat([ctx_valid,
                                                          ctx_valid.new_ones(q_len)])[None]
         o = F.scaled_dot_product_attention(q, k.repeat_interleave(self.rep, 1),
-                                           v.repeat_interleave(self.rep, 1),
-                                           attn_mask=mask)
+                                           v.repeat_interleave(self.rep, 1), attn_mask=mask)
         return self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -339,8 +338,7 @@ class DFlashDraftModel(PreTrainedModel):
         # a drafter or target moved or cast since (new tensors) gets a new state: the graph reads
         # these addresses
         key = (head.data_ptr(), embed.data_ptr(), self.fc.weight.data_ptr(), self.fc.weight.dtype,
-               str(device), graph,
-               budget, width, target.dtype)
+               str(device), graph, budget, width, target.dtype)
         # one state per tree budget and width, so that decoding alternately with several captures
         # each once; states for other tensors (a drafter or target moved or cast since) are dropped
         states = {k: v for k, v in getattr(self, "_decodings", {}).items() if k[:6] == key[:6]}

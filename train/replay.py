@@ -26,8 +26,7 @@ from train.draft_tree import build_tree, walk_tree
 from train.markov_head import tree_inputs
 
 __all__ = ["anchor_spans", "block_accepts", "decode_visits", "reach_weights", "replay_counts",
-           "tree_accepts",
-           "visit_weights"]
+           "tree_accepts", "visit_weights"]
 
 
 def block_accepts(hit: torch.Tensor) -> torch.Tensor:
@@ -39,8 +38,7 @@ def block_accepts(hit: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor, *,
-                 block_size: int,
-                 budget: int, width: int = 0, chunk: int = 512, head=None,
+                 block_size: int, budget: int, width: int = 0, chunk: int = 512, head=None,
                  roots: torch.Tensor | None = None,
                  draft_ids: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [b, Q, H] (drafter output, Q = N blocks x block_size), labels [b, Q] (lm_head row of

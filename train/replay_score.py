@@ -132,8 +132,7 @@ def replay_score(store: str, *, run: str = "", checkpoint: str = "", export: str
               "each >= 1; train.eval --tree-budget decodes the same trees with the target).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def main(store: str, run: str, checkpoint: str, export: str, whole_head: bool, samples: str,
-         token_budget: int,
-         tree_budget: str, as_json: bool) -> None:
+         token_budget: int, tree_budget: str, as_json: bool) -> None:
     """A drafter's decoding τ replayed along a store's answers (no target needed)."""
     try:
         ids = tuple(int(x) for x in samples.split(",") if x.strip())

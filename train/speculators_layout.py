@@ -47,12 +47,10 @@ def speculators_config(state: dict) -> dict:
              "intermediate_size": dc.intermediate_size,
              "num_hidden_layers": dc.num_layers, "num_attention_heads": dc.num_heads,
              "num_key_value_heads": dc.num_kv_heads, "head_dim": dc.head_dim,
-             "vocab_size": dc.vocab_size,
-             "rms_norm_eps": dc.rms_eps,
+             "vocab_size": dc.vocab_size, "rms_norm_eps": dc.rms_eps,
              "rope_parameters": {"rope_type": "default", "rope_theta": dc.rope_theta},
              "max_position_embeddings": tc.get("max_position_embeddings") or 32768,
-             "hidden_act": "silu",
-             "attention_bias": False, "tie_word_embeddings": False,
+             "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
              "layer_types": ["full_attention"] * dc.num_layers, "use_sliding_window": False}
     cfg = {
         "architectures": ["DSparkDraftModel" if dc.markov_rank else "DFlashDraftModel"],
@@ -70,8 +68,7 @@ def speculators_config(state: dict) -> dict:
         "dtype": "bfloat16",
         "speculators_config": {
             "algorithm": kind,
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy",
+            "default_proposal_method": "greedy", "proposal_methods": [{"proposal_type": "greedy",
                                   "speculative_tokens": dc.block_size - 1,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": state.get("target", "") or None,
@@ -80,8 +77,7 @@ def speculators_config(state: dict) -> dict:
     }
     if dc.markov_rank:
         cfg.update(markov_rank=dc.markov_rank, markov_head_type="vanilla",
-                   enable_confidence_head=False,
-                   confidence_head_with_markov=False)
+                   enable_confidence_head=False, confidence_head_with_markov=False)
     return cfg
 
 

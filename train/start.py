@@ -27,8 +27,7 @@ from train.step import LossSettings
 from train.vocab import answer_token_counts, coverage, draft_vocab
 
 __all__ = ["BEST_BY", "best_by", "best_state", "build_drafter", "check_creation_files",
-           "check_resume",
-           "check_same_vocab", "domain_groups", "draft_vocab_of", "drafter_config",
+           "check_resume", "check_same_vocab", "domain_groups", "draft_vocab_of", "drafter_config",
            "initial_weights",
            "load_drafter_weights", "loss_settings", "open_store", "open_val_store", "run_record",
            "start_from_weights", "target_layer_weights"]
@@ -50,14 +49,12 @@ def drafter_config(cfg: TrainConfig, reader: StoreReader) -> tuple[DrafterConfig
                          f"{list(m.layer_ids)})")
     heads = tc.get("num_attention_heads", 8)
     dc = DrafterConfig(
-        hidden_size=m.target.hidden_size,
-        intermediate_size=(cfg.intermediate_size
+        hidden_size=m.target.hidden_size, intermediate_size=(cfg.intermediate_size
                            or tc.get("intermediate_size", 4 * m.target.hidden_size)),
         num_layers=cfg.num_layers, num_heads=heads,
         num_kv_heads=tc.get("num_key_value_heads") or heads,
         head_dim=tc.get("head_dim") or m.target.hidden_size // heads,
-        vocab_size=m.target.vocab_size,
-        num_taps=len(taps), block_size=cfg.block_size,
+        vocab_size=m.target.vocab_size, num_taps=len(taps), block_size=cfg.block_size,
         mask_token_id=cfg.mask_token_id if cfg.mask_token_id >= 0 else m.mask_token_id,
         rope_theta=float(tc.get("rope_theta")
                          or (tc.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
@@ -118,8 +115,7 @@ def check_same_vocab(model: DFlashDrafter, weights: dict[str, torch.Tensor], wha
 
 
 def start_from_weights(model: DFlashDrafter, cfg: TrainConfig, dc: DrafterConfig,
-                       layer_ids: list[int],
-                       reader: StoreReader) -> None:
+                       layer_ids: list[int], reader: StoreReader) -> None:
     """Load what a fresh run starts from (--init-from or --init-layers: initial_weights) into
     `model`, refusing weights of another shape or vocabulary, and an export that lacks a trainable
     tensor."""
@@ -279,8 +275,8 @@ def domain_groups(reader: StoreReader, rows: np.ndarray) -> dict[str, torch.Tens
         return {}
     try:
         domains = np.array(heldout_domains(keys[rows]), dtype=object)
-    # the packages holding the held-out prompts are not installed or readable
     except (ValueError, OSError):
+        # the packages holding the held-out prompts are not installed or readable
         return {}
     ids = reader.sample_ids[rows]
     return {d: torch.as_tensor(ids[domains == d], dtype=torch.long) for d in DOMAINS
@@ -300,8 +296,7 @@ def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> 
 
 
 def run_record(cfg: TrainConfig, dc: DrafterConfig, m: Manifest, layer_ids: list[int], *,
-               total_steps: int,
-               draft_vocab_coverage: float) -> dict[str, Any]:
+               total_steps: int, draft_vocab_coverage: float) -> dict[str, Any]:
     """What every checkpoint's state.json records of the run: the config, the drafter, the store's
     identity and the target (export and eval read these)."""
     return {"train": cfg.to_dict(), "drafter": dc.to_dict(), "layer_ids": layer_ids,

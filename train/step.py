@@ -29,8 +29,7 @@ from train.model import DFlashDrafter
 from train.replay import decode_visits, replay_counts, tree_accepts
 
 __all__ = ["LossSettings", "StepStats", "evaluate_holdout", "forward_backward", "forward_loss",
-           "lr_lambda",
-           "make_optimizer"]
+           "lr_lambda", "make_optimizer"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,8 +97,7 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
             head_terms = {"bias_rows": mh.markov_w1(prev), "bias_head": mh.markov_w2.weight}
         out = draft_loss(hidden, labels, core.lm_head, block_size=loss.block_size, gamma=loss.gamma,
                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight,
-                         divergence=loss.divergence,
-                         confidence_penalty=loss.confidence_penalty,
+                         divergence=loss.divergence, confidence_penalty=loss.confidence_penalty,
                          chunk=loss.chunk, backward=loss.backward, compiled=loss.compiled,
                          weighting=loss.weighting,
                          anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay,
@@ -243,8 +241,7 @@ class StepStats:
     def reset(self) -> None:
         z = lambda *n: torch.zeros(*n, device=self.device)  # noqa: E731
         self.sums = {"correct": z(self.block_size), "count": z(self.block_size), "loss": z(1),
-                     "weight": z(1),
-                     "positions": z(1)}
+                     "weight": z(1), "positions": z(1)}
         self.micro_batches, self.wait = 0, 0.0
         # the start of the row's time (validation and checkpoints are left out)
         self.since = time.time()

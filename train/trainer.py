@@ -83,30 +83,9 @@ class Trainer:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(cfg.seed)
 
-        # gives up on a dead writer's store
-        self.watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)
-        self.reader = open_store(cfg, self.rank, self.watch)
-        m = self.reader.manifest
-        self.dc, tap_index = drafter_config(cfg, self.reader)
-        self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
-        try:
-            self.held = (holdout_mask(self.reader.sample_ids, cfg.val_samples, cfg.seed,
-                                      self.reader.prompt_keys())
-                         if cfg.val_samples else None)
-        except ValueError as e:
-            raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
-        self.val_reader = open_val_store(cfg, self.reader) if cfg.val_store else None
-        draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, self.reader, self.held,
-                                                        self.dc.vocab_size, announce=self.rank == 0)
-        if draft_ids is not None:
-            self.dc = dataclasses.replace(self.dc, draft_vocab_size=len(draft_ids))
-        self.model = build_drafter(self.dc, self.reader.frozen(), draft_ids).to(self.device)
+        m = self._open_store(cfg)
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.collate = CollateSettings(tap_index=tuple(tap_index), num_stored_taps=len(m.layer_ids),
-                                       num_anchors=cfg.num_anchors, block_size=cfg.block_size,
-                                       mask_token_id=self.dc.mask_token_id,
-                                       with_last_hidden=cfg.effective_kl_weight > 0)
         self.view = self._first_view()
         # refuses a store too small for one step, with --max-steps too
         per_epoch = self._steps_per_epoch()
@@ -128,6 +107,43 @@ class Trainer:
         # shards checked once per run and node, not once per worker process (workers start anew each
         # epoch)
         self.verified_dir = str(Path(cfg.out) / ".verified-shards" / socket.gethostname())
+        self._open_records(cfg, m)
+        self.stats = StepStats(cfg.block_size, self.device)
+        # the step last checkpointed: a run's end often falls on a --checkpoint-every step
+        self.saved_at = -1
+        # the first step whose loss or gradient norm was not finite (0: none), kept on the device so
+        # the check costs no host sync per step; read before every row, evaluation and checkpoint
+        self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def _open_store(self, cfg: TrainConfig):
+        """The store, its held-out split, the drafter's config, vocabulary and model; returns the
+        store's manifest."""
+        # gives up on a dead writer's store
+        self.watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)
+        self.reader = open_store(cfg, self.rank, self.watch)
+        m = self.reader.manifest
+        self.dc, tap_index = drafter_config(cfg, self.reader)
+        self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
+        try:
+            self.held = (holdout_mask(self.reader.sample_ids, cfg.val_samples, cfg.seed,
+                                      self.reader.prompt_keys())
+                         if cfg.val_samples else None)
+        except ValueError as e:
+            raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
+        self.val_reader = open_val_store(cfg, self.reader) if cfg.val_store else None
+        draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, self.reader, self.held,
+                                                        self.dc.vocab_size, announce=self.rank == 0)
+        if draft_ids is not None:
+            self.dc = dataclasses.replace(self.dc, draft_vocab_size=len(draft_ids))
+        self.model = build_drafter(self.dc, self.reader.frozen(), draft_ids).to(self.device)
+        self.collate = CollateSettings(tap_index=tuple(tap_index), num_stored_taps=len(m.layer_ids),
+                                       num_anchors=cfg.num_anchors, block_size=cfg.block_size,
+                                       mask_token_id=self.dc.mask_token_id,
+                                       with_last_hidden=cfg.effective_kl_weight > 0)
+        return m
+
+    def _open_records(self, cfg: TrainConfig, m) -> None:
+        """The run record, the metrics log, the held-out set and the best score so far."""
         self.record = run_record(cfg, self.dc, m, self.layer_ids, total_steps=self.total,
                                  draft_vocab_coverage=self.vocab_coverage)
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard,
@@ -141,12 +157,6 @@ class Trainer:
         self.best_score = best[self.best_by]
         # evaluations since the best (patience)
         self.stale = max(0, self.step - best["step"]) // cfg.val_every
-        self.stats = StepStats(cfg.block_size, self.device)
-        # the step last checkpointed: a run's end often falls on a --checkpoint-every step
-        self.saved_at = -1
-        # the first step whose loss or gradient norm was not finite (0: none), kept on the device so
-        # the check costs no host sync per step; read before every row, evaluation and checkpoint
-        self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
 
     @property
     def step(self) -> int:
@@ -164,8 +174,7 @@ class Trainer:
         """The committed samples every rank agrees on; the last epoch waits for the finalized
         store."""
         return agree_view(self.reader, rank=self.rank, wait_final=epoch == self.cfg.epochs - 1,
-                          share=self._share,
-                          watch=self.watch)
+                          share=self._share, watch=self.watch)
 
     def _first_view(self) -> StoreView:
         if not self.cfg.follow:
@@ -293,8 +302,7 @@ class Trainer:
         checkpoints/best-STEP."""
         self.check_finite()
         row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world,
-                               loss=self.loss,
-                               groups=self.val_groups,
+                               loss=self.loss, groups=self.val_groups,
                                tree_budgets=(self.cfg.val_tree_budget,
                                              ) if self.cfg.val_tree_budget else ())
         self.log.write({"step": self.step, "epoch": epoch, **row})
@@ -317,8 +325,7 @@ class Trainer:
         self.saved_at = self.step
         if self.rank == 0:
             save_checkpoint(self.cfg.out, self.step, model=self.model, optimizer=self.opt,
-                            scheduler=self.sched,
-                            keep=self.cfg.keep_checkpoints,
+                            scheduler=self.sched, keep=self.cfg.keep_checkpoints,
                             state={"step": self.step, "epoch": self.state.epoch,
                                    "step_in_epoch": self.state.in_epoch,
                                    "config": self.cfg.to_dict(), **self.record})

@@ -50,8 +50,7 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, preemptible: b
         res = dataclasses.replace(res, stopped_by_signal=preempt.signum or 0)
     # what made the output, beside it: extraction refuses to render it with other template options
     summary = {"chat_template_kwargs": cfg.template_kwargs, "turns": cfg.turns,
-               "config": cfg.to_dict(),
-               "last_run": dataclasses.asdict(res)}
+               "config": cfg.to_dict(), "last_run": dataclasses.asdict(res)}
     atomic_write_bytes(Path(cfg.out + ".summary.json"), json.dumps(summary, indent=1).encode())
     return res
 
@@ -59,8 +58,7 @@ def regenerate(cfg: RegenConfig | None = None, /, *, loaded=None, preemptible: b
 # options a rerun may change: how the work is scheduled and sent, not how an answer is made (a grown
 # or reordered prompt file resumes by content: only the prompts not yet answered are)
 RERUN_FREE = ("out", "prompts", "limit", "batch_size", "shard", "base_url", "concurrency",
-              "request_timeout",
-              "retries", "sync_every")
+              "request_timeout", "retries", "sync_every")
 
 
 def _check_recorded_options(cfg: RegenConfig) -> None:
@@ -162,8 +160,7 @@ def _invented_locally(cfg: RegenConfig, lo: _Local, done: set):
 
 
 def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: set,
-                    num_samples: int,
-                    stop) -> RegenSummary:
+                    num_samples: int, stop) -> RegenSummary:
     """Every turn of the conversations answered by the target in process (static engine or HF
     generate)."""
     def ids_of(msgs: list[dict]) -> list[int]:
@@ -191,8 +188,8 @@ def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: s
 
         def generate(reqs, turn):
             return _static_results(cfg, lo.model, lo.tok, fitting(reqs, turn), lo.eos, lo.batch)
-    # HF generate batches by its own plan: turn 0 as it always did, later turns as one flat list
     else:
+        # HF generate batches by its own plan: turn 0 as it always did, later turns as one flat list
         first = None
 
         def generate(reqs, turn):
@@ -204,8 +201,7 @@ def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: s
                 return _hf_results(cfg, lo.model, lo.tok, first_ids, num_samples, skip, lo.eos,
                                    lo.batch, lo.device)
             flat = _hf_results(dataclasses.replace(cfg, shard=(0, 1)), lo.model, lo.tok,
-                               [ids for _, ids, _ in fit],
-                               1, set(), lo.eos, lo.batch, lo.device)
+                               [ids for _, ids, _ in fit], 1, set(), lo.eos, lo.batch, lo.device)
             return ((fit[p][0], text, n, a) for (p, _), text, n, a in flat)
     res = _rounds(cfg, out, segs, keys, done, first, generate, stop)
     if too_long:
@@ -215,8 +211,7 @@ def _answer_locally(cfg: RegenConfig, lo: _Local, out: Path, segs, keys, done: s
 
 
 def _rounds(cfg: RegenConfig, out: Path, segs: list[list[list[dict]]], keys: list[str],
-            done: set, first,
-            generate, stop=lambda: False) -> RegenSummary:
+            done: set, first, generate, stop=lambda: False) -> RegenSummary:
     """Answer every turn of the unfinished conversations, one round per turn
     (extract/regenerate/turns.py); keys: each conversation's content key (the turn log's names for
     them).

@@ -58,8 +58,7 @@ def cut_conversation(messages: list[dict], *, min_chars: int = 20) -> tuple[list
         return messages, 0, len(text)
     kept = text[:cut].rstrip()
     return ([*messages[:last], {**messages[last], "content": kept}, *messages[last + 1:]],
-            len(text) - len(kept),
-            len(text))
+            len(text) - len(kept), len(text))
 
 
 @click.command()

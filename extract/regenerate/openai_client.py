@@ -74,8 +74,8 @@ def _one(req: ServerRequest, index: int, urls: tuple[str, ...], *, timeout: floa
             last = f"{url}: HTTP {e.code} {detail}".strip()
             if e.code not in _RETRYABLE_HTTP:
                 return Reply(req.job, None, error=last, attempts=attempt + 1)
-        # refused, reset, timeout, bad reply
         except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            # refused, reset, timeout, bad reply
             last = f"{url}: {type(e).__name__}: {e}"
         if attempt < retries:
             time.sleep(min(backoff * 2**attempt, 30.0))
@@ -83,8 +83,7 @@ def _one(req: ServerRequest, index: int, urls: tuple[str, ...], *, timeout: floa
 
 
 def send_all(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], concurrency: int,
-             timeout: float,
-             retries: int, backoff: float = 1.0) -> Iterator[Reply]:
+             timeout: float, retries: int, backoff: float = 1.0) -> Iterator[Reply]:
     """Send every request to the servers (this is the client side); replies in completion order, at
     most `concurrency` requests in flight."""
     it = iter(enumerate(requests))
@@ -94,8 +93,7 @@ def send_all(requests: Iterable[ServerRequest], *, base_urls: tuple[str, ...], c
             if nxt is None:
                 return False
             pending.add(pool.submit(_one, nxt[1], nxt[0], base_urls, timeout=timeout,
-                                    retries=retries,
-                                    backoff=backoff))
+                                    retries=retries, backoff=backoff))
             return True
 
         pending: set = set()
@@ -131,8 +129,7 @@ def server_results(cfg, opening: str,
     ef = None  # opened at the first failure: a run without failures leaves no errors file
     try:
         for r in send_all(reqs, base_urls=cfg.base_url, concurrency=cfg.concurrency,
-                          timeout=cfg.request_timeout,
-                          retries=cfg.retries):
+                          timeout=cfg.request_timeout, retries=cfg.retries):
             if r.text is None:
                 ef = ef or open(errors, "a", encoding="utf-8")
                 ef.write(json.dumps({"prompt_index": r.job[0], "sample": r.job[1], "error": r.error,

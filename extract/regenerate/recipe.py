@@ -41,8 +41,7 @@ __all__ = ["LONG_SHARE", "LONG_TOKENS", "OPENINGS", "SHARES", "build_recipe", "i
 # Steering openings (the start of each invented user message) per domain.
 OPENINGS: dict[str, tuple[str, ...]] = {
     "math": ("Solve this math word problem step by step:", "A store sells", "Calculate",
-             "If a train travels",
-             "What is the probability that", "Find the value of x if"),
+             "If a train travels", "What is the probability that", "Find the value of x if"),
     "code": ("Write a Python function", "Write a Python program that", "Implement a Python class",
              "How do I use Python to", "Explain what this Python code does:",
              "Fix the bug in this Python function:"),
@@ -125,8 +124,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, long_tokens: int = LO
     long_share = LONG_SHARE if long_tokens else {}
     drops = _select(d, targets, (i, n), packaged, long_share)
     jobs = _answer(d, (i, n), packaged, base, loaded, seed=seed, max_new_tokens=max_new,
-                   long_tokens=long_tokens,
-                   long_domains=tuple(long_share))
+                   long_tokens=long_tokens, long_domains=tuple(long_share))
     if i != 0:
         return {}
     _wait_for([d / "parts" / f"answer.{s}.done" for s in range(n)])
@@ -138,8 +136,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, long_tokens: int = LO
                "invent_max_new_tokens": invent_tokens, "long_share": long_share,
                "long_max_new_tokens": long_tokens,
                "config": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in base.items()},
-                          "seed": seed,
-                          "max_new_tokens": max_new}}
+                          "seed": seed, "max_new_tokens": max_new}}
     (d / "recipe.json").write_text(json.dumps(summary, indent=1))
     print(f"recipe {name}: {summary['samples']} samples " + ", ".join(f"{k} {v}"
                                                                       for k, v in counts.items())
@@ -149,8 +146,7 @@ def build_recipe(name: str, *, out_dir: str, samples: int, long_tokens: int = LO
 
 
 def _invent(d: Path, targets: dict[str, int], shard: tuple[int, int], base: dict, loaded,
-            *, seed: int,
-            max_new_tokens: int) -> None:
+            *, seed: int, max_new_tokens: int) -> None:
     """Stage 1: each opening invents an equal share of its domain's prompts (OVERDRAW of them, as
     duplicates are dropped next); then wait for every shard's invention."""
     i, n = shard

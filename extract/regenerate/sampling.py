@@ -60,8 +60,7 @@ def top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def choose_next(logits: torch.Tensor, keys: torch.Tensor, steps: torch.Tensor, *,
-                temperature: float,
-                top_k: int, top_p: float) -> torch.Tensor:
+                temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Next token ids [B] int64 from logits [B, V]. temperature 0: argmax (greedy).
 
     No host synchronisation: safe inside a captured CUDA graph.

@@ -81,8 +81,7 @@ def flash_unsupported(device: torch.device, dtype: torch.dtype, head_dim: int) -
 
 
 def flash_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor,
-                 used: torch.Tensor, span: int, scale: float) -> torch.Tensor:
+                 cu_k: torch.Tensor, used: torch.Tensor, span: int, scale: float) -> torch.Tensor:
     """One query per row against the first used[b] positions of row b's cache: q [B, Hq, D], caches
     [B, S, Hkv, D] -> [B, Hq, D]. Flash attention over variable lengths (seqused_k: only the written
     positions are read); graph-safe, since `span` (>= every used[b]) is the only host number."""
@@ -102,10 +101,8 @@ class StaticEngine:
     """Greedy or sampled generation of many requests; see the module doc."""
 
     def __init__(self, model: torch.nn.Module, *, batch: int, max_new_tokens: int,
-                 eos: Sequence[int],
-                 temperature: float = 0.0, top_k: int = 50, top_p: float = 0.95,
-                 sync_every: int = 8,
-                 prefill_tokens: int = 16384, cuda_graph: bool | None = None,
+                 eos: Sequence[int], temperature: float = 0.0, top_k: int = 50, top_p: float = 0.95,
+                 sync_every: int = 8, prefill_tokens: int = 16384, cuda_graph: bool | None = None,
                  attention: str = "auto"):
         if batch < 1 or max_new_tokens < 1 or sync_every < 1:
             raise ValueError("batch, max_new_tokens and sync_every must be >= 1")
