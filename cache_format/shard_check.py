@@ -37,8 +37,8 @@ def check_shard(reader: StoreReader, key: str, shard: int, *, finite: bool = Tru
     try:
         for a in reader._tokens:
             want = entry.get("file_crc32c", {}).get(a.name)
-            if want is not None and not growing and file_checksum(shard_file(reader.root, key, a,
-                                                                             shard)) != want:
+            path = shard_file(reader.root, key, a, shard)
+            if want is not None and not growing and file_checksum(path) != want:
                 return f"{a.name} file checksum mismatch"
         for name, data in _committed_rows(reader, key, lo, entry["rows"]):
             if checksum(data) != entry["crc32c"][name]:

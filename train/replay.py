@@ -127,9 +127,8 @@ def decode_visits(anchors: torch.Tensor, accepts: torch.Tensor,
                       # N+1 is a sink
                       torch.full((b, 1), n, dtype=torch.long, device=anchors.device)], 1)
     for _ in range(max(1, (n - 1).bit_length()) + 1):
-        reached = torch.zeros(mark.shape, device=mark.device).scatter_add_(1, jump,
-                                                                           mark.float()) > 0
-        mark = mark | reached
+        hits = torch.zeros(mark.shape, device=mark.device).scatter_add_(1, jump, mark.float())
+        mark = mark | (hits > 0)
         jump = jump.gather(1, jump)
     return mark[:, :n] & valid
 

@@ -79,12 +79,11 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
     if loss.split_blocks:
-        ctx_mask = (flex_context_mask if loss.use_flex else dense_context_mask)(batch["anchors"], t,
-                                                                                loss.block_size)
-        mask = SplitMask(ctx_mask, loss.block_size)
+        make = flex_context_mask if loss.use_flex else dense_context_mask
+        mask = SplitMask(make(batch["anchors"], t, loss.block_size), loss.block_size)
     else:
-        mask = (flex_block_mask if loss.use_flex else dense_mask)(batch["anchors"], t,
-                                                                  loss.block_size)
+        make = flex_block_mask if loss.use_flex else dense_mask
+        mask = make(batch["anchors"], t, loss.block_size)
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -25,24 +24,20 @@ from runtime.world import World, any_rank
 from train.checkpoint import best_checkpoint, save_best, save_checkpoint
 from train.config import TrainConfig
 from train.data import (
-    BatchDataset,
     CollateSettings,
     holdout_mask,
-    node_shares,
-    plan_epoch,
-    replay_dataset,
     to_device,
 )
 from train.data_parallel import data_parallel
-from train.follow import StoreView, WriterWatch, agree_view, view_of
+from train.follow import WriterWatch
 from train.losses import acceptance_from_acc
 from train.metrics import MetricsLog, plot_metrics
 from train.resume import resumed_state
+from train.run_data import RunData
 from train.start import (
     best_by,
     best_state,
     build_drafter,
-    domain_groups,
     draft_vocab_of,
     drafter_config,
     loss_settings,
@@ -86,13 +81,13 @@ class Trainer:
         m = self._open_store(cfg)
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.view = self._first_view()
+        self.data.view = self.data.first_view()
         # refuses a store too small for one step, with --max-steps too
-        per_epoch = self._steps_per_epoch()
+        per_epoch = self.data.steps_per_epoch()
         self.total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
         self.state = resumed_state(cfg, self.model, self.opt, self.sched,
-                                   reader=self.reader, dc=self.dc,
+                                   reader=self.data.reader, dc=self.dc,
                                    layer_ids=self.layer_ids, total=self.total, rank=self.rank,
                                    world=self.world)
         # in place: parameter names (checkpoints, export) stay those of the eager model
@@ -104,9 +99,6 @@ class Trainer:
         # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
         if self.rank == 0:
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
-        # shards checked once per run and node, not once per worker process (workers start anew each
-        # epoch)
-        self.verified_dir = str(Path(cfg.out) / ".verified-shards" / socket.gethostname())
         self._open_records(cfg, m)
         self.stats = StepStats(cfg.block_size, self.device)
         # the step last checkpointed: a run's end often falls on a --checkpoint-every step
@@ -118,28 +110,31 @@ class Trainer:
     def _open_store(self, cfg: TrainConfig):
         """The store, its held-out split, the drafter's config, vocabulary and model; returns the
         store's manifest."""
-        # gives up on a dead writer's store
-        self.watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)
-        self.reader = open_store(cfg, self.rank, self.watch)
-        m = self.reader.manifest
-        self.dc, tap_index = drafter_config(cfg, self.reader)
+        watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)
+        reader = open_store(cfg, self.rank, watch)
+        m = reader.manifest
+        self.dc, tap_index = drafter_config(cfg, reader)
         self.layer_ids = [m.layer_ids[i] for i in tap_index]  # the target layers the drafter reads
         try:
-            self.held = (holdout_mask(self.reader.sample_ids, cfg.val_samples, cfg.seed,
-                                      self.reader.prompt_keys())
-                         if cfg.val_samples else None)
+            held = (holdout_mask(reader.sample_ids, cfg.val_samples, cfg.seed, reader.prompt_keys())
+                    if cfg.val_samples else None)
         except ValueError as e:
             raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
-        self.val_reader = open_val_store(cfg, self.reader) if cfg.val_store else None
-        draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, self.reader, self.held,
+        draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, reader, held,
                                                         self.dc.vocab_size, announce=self.rank == 0)
         if draft_ids is not None:
             self.dc = dataclasses.replace(self.dc, draft_vocab_size=len(draft_ids))
-        self.model = build_drafter(self.dc, self.reader.frozen(), draft_ids).to(self.device)
-        self.collate = CollateSettings(tap_index=tuple(tap_index), num_stored_taps=len(m.layer_ids),
-                                       num_anchors=cfg.num_anchors, block_size=cfg.block_size,
-                                       mask_token_id=self.dc.mask_token_id,
-                                       with_last_hidden=cfg.effective_kl_weight > 0)
+        self.model = build_drafter(self.dc, reader.frozen(), draft_ids).to(self.device)
+        collate = CollateSettings(tap_index=tuple(tap_index), num_stored_taps=len(m.layer_ids),
+                                  num_anchors=cfg.num_anchors, block_size=cfg.block_size,
+                                  mask_token_id=self.dc.mask_token_id,
+                                  with_last_hidden=cfg.effective_kl_weight > 0)
+        self.data = RunData(
+            cfg=cfg, reader=reader, watch=watch, held=held, collate=collate,
+            val_reader=open_val_store(cfg, reader) if cfg.val_store else None,
+            rank=self.rank, world=self.world, local_world=self.local_world, device=self.device,
+            preempt=self.preempt,
+            verified_dir=str(Path(cfg.out) / ".verified-shards" / socket.gethostname()))
         return m
 
     def _open_records(self, cfg: TrainConfig, m) -> None:
@@ -149,7 +144,7 @@ class Trainer:
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard,
                               wandb=cfg.wandb,
                               config={k: self.record[k] for k in ("train", "drafter")})
-        self.val_ds, self.val_groups = self._holdout_set()
+        self.val_ds, self.val_groups = self.data.holdout_set()
         best_ck = best_checkpoint(cfg.out) if cfg.resume else None
         self.best_by = best_by(cfg)
         best = best_state(best_ck, self.best_by) if best_ck else {"step": self.step,
@@ -164,93 +159,6 @@ class Trainer:
         return self.state.step
 
     # ------------------------------------------------------------------ the plan
-    def _share(self, obj: list) -> list:
-        """Rank 0's object on every rank."""
-        if self.world > 1:
-            dist.broadcast_object_list(obj, src=0)
-        return obj
-
-    def _follow_view(self, epoch: int) -> StoreView:
-        """The committed samples every rank agrees on; the last epoch waits for the finalized
-        store."""
-        return agree_view(self.reader, rank=self.rank, wait_final=epoch == self.cfg.epochs - 1,
-                          share=self._share, watch=self.watch)
-
-    def _first_view(self) -> StoreView:
-        if not self.cfg.follow:
-            return view_of(self.reader)
-        view = self._follow_view(0)
-        while len(view.sample_ids) == 0:
-            self.watch.check()
-            time.sleep(1.0)
-            view = self._follow_view(0)
-        return view
-
-    def steps_in(self, epoch: int, view: StoreView) -> list[list[list[int]]]:
-        """The epoch's steps over the samples of `view` (held-out ones left out):
-        [step][micro-batch][ids]."""
-        cfg, r = self.cfg, self.reader
-        ids, lens, bks = r.sample_ids, r.lengths(), r.buckets()
-        # in follow mode the reader may hold more than the ranks agreed on
-        keep = np.isin(ids, view.sample_ids)
-        if self.held is not None:
-            keep &= ~self.held
-        nodes = self.world // self.local_world if cfg.node_affine else 1
-        node_of = node_shares(r.home_shards()[keep], lens[keep], nodes) if nodes > 1 else None
-        return plan_epoch(ids[keep], lens[keep], bks[keep], token_budget=cfg.token_budget,
-                          seed=cfg.seed, epoch=epoch,
-                          ranks=self.world, grad_accum=cfg.grad_accum, node_of=node_of, nodes=nodes)
-
-    def _steps_per_epoch(self) -> int:
-        """Steps an epoch takes; in follow mode the first plan scaled by records expected / seen."""
-        cfg, view = self.cfg, self.view
-        n = len(self.steps_in(0, view))
-        if n == 0 and view.finalized:  # else it would train 0 steps and say nothing was wrong
-            raise ValueError(f"{cfg.store}: {len(self.reader)} samples make fewer micro-batches of "
-                             f"--token-budget {cfg.token_budget} than one step needs ({self.world} "
-                             f"ranks x --grad-accum {cfg.grad_accum}); lower the token budget or "
-                             "use fewer ranks")
-        if not view.finalized:
-            n = int(n * self.reader.manifest.dataset.num_records / max(1, len(view.sample_ids))) + 1
-        return n
-
-    def loader(self, epoch: int, first: int, view: StoreView):
-        """This rank's micro-batches of an epoch from step `first` on: (the epoch's steps, a started
-        iterator)."""
-        cfg, ga = self.cfg, self.cfg.grad_accum
-        steps = self.steps_in(epoch, view)
-        micro = [mb for s in steps[first:] for mb in s[self.rank * ga:(self.rank + 1) * ga]]
-        keys = [(first + i // ga) * self.world * ga + self.rank * ga + i % ga
-                for i in range(len(micro))]
-        # a store read by URL: this rank's shards of the epoch come now, in parallel, before the
-        # workers fork
-        self.reader.prefetch([s for mb in micro for s in mb])
-        ds = BatchDataset(str(self.reader.root), micro, keys, self.collate, seed=cfg.seed,
-                          epoch=epoch, remote=self.reader.url,
-                          verify_shards=cfg.check_shards, verified_dir=self.verified_dir)
-        dl = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=False,
-                                         num_workers=cfg.workers,
-                                         pin_memory=self.device.type == "cuda",
-                                         prefetch_factor=4 if cfg.workers else None,
-                                         persistent_workers=False,
-                                         worker_init_fn=(self.preempt.worker_init if cfg.workers
-                                                         else None))
-        return steps, iter(dl)
-
-    def _holdout_set(self) -> tuple[BatchDataset | None, dict[str, torch.Tensor]]:
-        """The held-out micro-batches of this rank (None without a held-out set) and, where its
-        prompts are the evaluation's held-out ones, their sample ids per domain
-        (train.start.domain_groups)."""
-        if self.val_reader is None and self.held is None:
-            return None, {}
-        # --val-store: every sample of it
-        r = self.reader if self.val_reader is None else self.val_reader
-        held = self.held if self.val_reader is None else np.ones(len(r.sample_ids), dtype=bool)
-        ds = replay_dataset(r, held, self.collate, token_budget=self.cfg.token_budget,
-                            ranks=self.world,
-                            rank=self.rank, seed=self.cfg.seed, verify_shards=self.cfg.check_shards)
-        return ds, domain_groups(r, held)
-
     # ------------------------------------------------------------------ the steps
     def train_step(self, batches) -> None:
         """One optimizer step over --grad-accum micro-batches from `batches` (gradients synced on
@@ -301,10 +209,10 @@ class Trainer:
         """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as
         checkpoints/best-STEP."""
         self.check_finite()
+        budget = self.cfg.val_tree_budget
         row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world,
                                loss=self.loss, groups=self.val_groups,
-                               tree_budgets=(self.cfg.val_tree_budget,
-                                             ) if self.cfg.val_tree_budget else ())
+                               tree_budgets=(budget,) if budget else ())
         self.log.write({"step": self.step, "epoch": epoch, **row})
         self.stale += 1
         if row[self.best_by] > self.best_score:  # every rank holds the all-reduced row: all agree
@@ -336,10 +244,10 @@ class Trainer:
     def _start_next_epoch_early(self, epoch: int, s_idx: int, first: int, n_steps: int) -> bool:
         cfg = self.cfg
         left = n_steps - s_idx  # steps of this epoch still to run, this one included
+        # in follow mode not the last epoch: it waits for the finalized store
+        last_follow = cfg.follow and epoch + 1 == cfg.epochs - 1
         return (s_idx == max(first, n_steps - AHEAD_STEPS) and cfg.workers > 0
-                and epoch + 1 < cfg.epochs
-                and self.step + left < self.total and not (cfg.follow
-                                                           and epoch + 1 == cfg.epochs - 1))
+                and epoch + 1 < cfg.epochs and self.step + left < self.total and not last_follow)
 
     def run_epoch(self, epoch: int, first: int, steps, batches) -> tuple[bool, Any]:
         """Steps `first`.. of an epoch: (whether the run is done, the next epoch's loader if
@@ -349,8 +257,8 @@ class Trainer:
             if self._start_next_epoch_early(epoch, s_idx, first, len(steps)):
                 # in follow mode from what is committed then (not for the last epoch)
                 if cfg.follow:
-                    self.view = self._follow_view(epoch + 1)
-                ahead = self.loader(epoch + 1, 0, self.view)
+                    self.data.view = self.data.follow_view(epoch + 1)
+                ahead = self.data.loader(epoch + 1, 0, self.data.view)
             self.train_step(batches)
             self.bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == self.total:
@@ -385,9 +293,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
-        compiled = [name
-                    for name, on in (("FlexAttention", self.loss.use_flex),
-                                     ("the drafter layers", cfg.compile)) if on]
+        compiled = [name for name, on in (("FlexAttention", self.loss.use_flex),
+                                          ("the drafter layers", cfg.compile)) if on]
         if self.rank == 0 and compiled:  # a silent first step of minutes looks like a hang
             print(f"the first step compiles {' and '.join(compiled)} (minutes on a machine's first "
                   "run; the inductor cache makes later runs quick)", flush=True)
@@ -398,9 +305,9 @@ class Trainer:
         epoch, done, ahead = start_epoch, self.step >= self.total, None
         while not done and epoch < cfg.epochs:
             if cfg.follow and ahead is None:
-                self.view = self._follow_view(epoch)
+                self.data.view = self.data.follow_view(epoch)
             first = skip if epoch == start_epoch else 0
-            steps, batches = ahead or self.loader(epoch, first, self.view)
+            steps, batches = ahead or self.data.loader(epoch, first, self.data.view)
             done, ahead = self.run_epoch(epoch, first, steps, batches)
             del batches
             if not done:
@@ -416,8 +323,9 @@ class Trainer:
         self.log.close()
         if self.rank == 0 and (Path(cfg.out) / "metrics.jsonl").exists():
             plot_metrics(cfg.out)
-        return {"steps": self.step, "run": cfg.out, "samples_last_epoch": len(self.reader),
-                "finalized": self.reader.finalized, "stopped_early": self.state.stop == "patience",
+        stop = self.state.stop
+        return {"steps": self.step, "run": cfg.out, "samples_last_epoch": len(self.data.reader),
+                "finalized": self.data.reader.finalized, "stopped_early": stop == "patience",
                 "patience": cfg.patience, "stopped_by_time": self.state.stop == "time limit",
                 "stopped_by_signal": self.preempt.signum if self.state.stop == "signal" else 0}
 
