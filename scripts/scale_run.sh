@@ -134,7 +134,8 @@ peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_ben
   # store, default /dev/shm/peers.zarr), PEER_KIND (dspark or dflash), PEER_TLIM (seconds it trains, default
   # 300, its compilation included, as ours' --time-limit), PEER_STEPS and PEER_EPOCHS (its cosine and the
   # epochs that hold it; default: what a probe of PEER_PROBE steps, default 120, says fits PEER_TLIM:
-  # `bench peers plan`), PEER_ARGS (more of its train options, e.g. --max-anchors 2048), PEER_STOP (data:
+  # `bench peers plan`), PEER_ARGS (more of its train options, e.g. --max-anchors 2048), OURS (our
+  # run on the same store: decoded beside its drafter in the last step), PEER_STOP (data:
   # end after its files; probe: after the probe; train: end after its training and conversion), PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH
   # (scripts/peer_wheels.sh). Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
   P=$W/peers; PS=${PEER_STORE:-/dev/shm/peers.zarr}; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
@@ -185,9 +186,22 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
   [ -d "$P/e" ] || python3 -m bench peers convert --checkpoint "$ck" --store "$PS" --out "$P/e" ${PEER_CONVERT_ARGS:-} > /dev/null || exit 1
   cp "$P/e/config.json" "${OUT:-/tmp/out}/peer_export_config.json" 2>/dev/null
   [ "${PEER_STOP:-}" = train ] && exit 0
-  python3 -m train.eval --export "$P/e" --limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 ${EVAL_ARGS:---no-prompt-lookup --tree-budget 0,512} \
-    --json "${TARGET[@]}" 2>&1 | tail -n 1 | cut -c1-1500
-  cp "$P/e/eval.json" "${OUT:-/tmp/out}/peer_eval.json" 2>/dev/null;;
+  # OURS=RUN (ours trained on the same store): its export decoded at the same time, one process
+  # each on the one GPU; their τ are figures, their speedups are not (the two share the card)
+  ev=(--limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 ${EVAL_ARGS:---no-prompt-lookup --tree-budget 0,512}
+    --json "${TARGET[@]}")
+  mine=
+  if [ -n "${OURS:-}" ]; then
+    # shellcheck disable=SC2086
+    python3 -m train.export --run "$OURS" --out "$W/ours_export" --overwrite ${EXPORT_ARGS:-} > /dev/null || exit 1
+    python3 -m train.eval --export "$W/ours_export" "${ev[@]}" > "$W/ours_eval.log" 2>&1 & mine=$!
+  fi
+  python3 -m train.eval --export "$P/e" "${ev[@]}" 2>&1 | tail -n 1 | cut -c1-1500
+  cp "$P/e/eval.json" "${OUT:-/tmp/out}/peer_eval.json" 2>/dev/null
+  if [ -n "$mine" ]; then
+    wait "$mine"; tail -n 1 "$W/ours_eval.log" | cut -c1-1500
+    cp "$W/ours_export/eval.json" "${OUT:-/tmp/out}/ours_eval.json" 2>/dev/null
+  fi;;
 pack) pack;;
 *) echo "stage must be formats, extract, valstore, train, eval, peers or pack" >&2; exit 2;;
 esac
