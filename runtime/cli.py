@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import re
 import sys
 import textwrap
 import typing
@@ -23,7 +24,7 @@ from typing import Any
 
 import click
 
-__all__ = ["config_command", "field_docs", "load_config_file", "to_toml"]
+__all__ = ["config_command", "field_docs", "field_sections", "load_config_file", "to_toml"]
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -36,6 +37,41 @@ def field_docs(cls: type) -> dict[str, str]:
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
+
+
+def field_sections(cls: type) -> dict[str, str]:
+    """{first field of a section: its title}, from the class body's `# ---- title` comment lines:
+    the sections `--help` groups the options under."""
+    out, title = {}, None
+    for line in textwrap.dedent(inspect.getsource(cls)).splitlines():
+        text = line.strip()
+        if text.startswith("# ----"):
+            title = text.lstrip("# -").strip()
+        elif title and re.match(r"[a-z_]\w*\s*:", text):
+            out[text.split(":")[0].strip()], title = title, None
+    return out
+
+
+class _SectionedCommand(click.Command):
+    """A command whose --help lists its options under their config sections."""
+
+    def __init__(self, *args: Any, sections: dict[str, str], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.sections = sections
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: list[tuple[str, list[tuple[str, str]]]] = [("Options", [])]
+        for param in self.get_params(ctx):
+            if param.name in self.sections:
+                groups.append((self.sections[param.name][:1].upper()
+                               + self.sections[param.name][1:], []))
+            record = param.get_help_record(ctx)
+            if record:
+                groups[-1][1].append(record)
+        for title, rows in groups:
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 class _Seq(click.ParamType):
@@ -186,7 +222,8 @@ def config_command(cls: type, *, seps: dict[str, str] | None = None,
                 return None
             return fn(cfg, **kw)
 
-        return click.Command(fn.__name__, params=params, callback=callback, help=fn.__doc__,
-                             context_settings={"max_content_width": 100})
+        return _SectionedCommand(fn.__name__, params=params, callback=callback, help=fn.__doc__,
+                                 context_settings={"max_content_width": 100},
+                                 sections=field_sections(cls))
 
     return deco

@@ -174,8 +174,7 @@ class TrainConfig:
     """Also write the metric rows as TensorBoard event files under out/tensorboard."""
     wandb: bool = False
     """Also log the metric rows to Weights & Biases (needs the wandb package)."""
-    # ------------------------------------------------------------------ speed (the same training,
-    # faster)
+    # ------------------------------------------------------------------ speed (same training)
     attention: str = "auto"
     """auto (flex on GPU, dense SDPA on CPU), flex, or sdpa."""
     split_blocks: bool = False

@@ -13,7 +13,7 @@ from extract.__main__ import main as extract_main
 from extract.config import ExtractConfig
 from extract.regenerate.__main__ import main as regen_main
 from extract.regenerate.config import RegenConfig
-from runtime.cli import field_docs, load_config_file, to_toml
+from runtime.cli import field_docs, field_sections, load_config_file, to_toml
 from train.__main__ import main as train_main
 from train.config import TrainConfig
 from train.eval import main as eval_main
@@ -41,6 +41,22 @@ def test_every_field_is_an_option_with_its_docstring_as_help():
             assert name in opts, name
             assert opts[name].help == docs.get(name, ""), name
     assert field_docs(TrainConfig)["time_limit"].startswith("Seconds this process may train")
+
+
+def test_help_lists_each_option_under_its_config_section_in_field_order():
+    sections = field_sections(TrainConfig)
+    assert sections["store"] == "the store and the run" and sections["num_layers"] == "the drafter"
+    assert sections["val_samples"] == "held-out evaluation" and len(sections) == 7
+    text = CliRunner().invoke(train_main, ["--help"]).output
+    names = list(TrainConfig.__dataclass_fields__)
+    at = lambda name: text.index("\n  --" + name.replace("_", "-"))  # the option's own line
+    for after in list(sections)[1:]:
+        # a section's heading comes after the last option of the section before it
+        title = "\n" + sections[after][:1].upper() + sections[after][1:] + ":"
+        assert at(names[names.index(after) - 1]) < text.index(title) < at(after)
+    assert text.index("--print-config") < text.index("The store and the run:")
+    assert field_sections(ExportConfig) == {}  # no sections: one plain "Options" list
+    assert "Options:" in CliRunner().invoke(export_main, ["--help"]).output
 
 
 def test_a_file_sets_values_and_flags_given_win(tmp_path):
