@@ -11,6 +11,7 @@ import click
 
 from cache_format.audit import inspect_store, sample_norms, verify_store
 from cache_format.errors import CacheFormatError, brief
+from cache_format.reader import StoreReader
 
 
 def _fail(e: Exception) -> None:
@@ -95,8 +96,6 @@ def verify(store: str, as_json: bool) -> None:
 @click.argument("sample_id", type=int)
 def show(store: str, sample_id: int) -> None:
     """Decoded text with supervised spans in [[...]], length, bucket, per-layer norms."""
-    from cache_format.reader import StoreReader
-
     try:
         r = StoreReader(store)
         s = r.get(sample_id)
@@ -143,8 +142,6 @@ def plot(store: str, out: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from cache_format.reader import StoreReader
 
     try:
         r = StoreReader(store)

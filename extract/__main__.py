@@ -28,6 +28,7 @@ from runtime.preemption import from_the_start
 @from_the_start
 def main(cfg: ExtractConfig, as_json: bool) -> None:
     """Extract target hidden states into a draftcache store (resumable)."""
+    # here, not at the top: --help and a bad option answer without loading torch
     from cache_format import CacheFormatError
     from extract.run import run
 
@@ -64,6 +65,7 @@ def main(cfg: ExtractConfig, as_json: bool) -> None:
 def _named(cfg: ExtractConfig, e: Exception) -> str:
     """The error, or what caused it where zarr only says a node is missing: the store's directory
     (the staging directory of a store written to a URL) removed while the run wrote it."""
+    # here, as above: only a failed run needs them
     from zarr.errors import NodeNotFoundError
 
     from cache_format.remote import default_local, is_url

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp  # registers tensor reductions: shared storage, not pickled bytes
 
+from cache_format import CacheFormatError, ShardWriter
 from cache_format.codec import QuantRows
 from extract.ring import HostRing
 from runtime.preemption import Preemption
@@ -77,8 +78,6 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _child(store: str, writer_id: int, ring: HostRing, inbox, outbox, parent: int) -> None:
-    from cache_format import ShardWriter
-
     _die_with_parent(parent)
     # a signal to the process group is the parent's to act on: it stops feeding and closes this
     # writer, which commits what it holds (a parent that dies instead takes this process with it:
@@ -110,8 +109,6 @@ class ProcessWriter:
         self._expect("ready")
 
     def _expect(self, what: str) -> object:
-        from cache_format import CacheFormatError
-
         while True:
             try:
                 kind, payload = self.outbox.get(timeout=5.0)

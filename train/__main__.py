@@ -24,6 +24,7 @@ from train.config import TrainConfig
 @from_the_start
 def main(cfg: TrainConfig) -> None:
     """Train a DFlash drafter from a store (DDP under torchrun; resumable)."""
+    # here, not at the top: --help and a bad option answer without loading torch
     from cache_format import CacheFormatError
     from train.trainer import train
 

@@ -30,7 +30,7 @@ def main(cfg: RegenConfig, recipe: str, recipe_samples: int, recipe_long_tokens:
 
     try:
         if recipe:
-            from extract.regenerate.recipe import build_recipe
+            from extract.regenerate.recipe import build_recipe  # here: as regenerate above
 
             kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "out"}
             build_recipe(recipe, out_dir=cfg.out, samples=recipe_samples,

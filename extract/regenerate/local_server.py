@@ -113,7 +113,7 @@ def main(target: str, model_dir: str, port: int, continuous_batching: bool,
     if print_model:
         click.echo(model_dir)
         return
-    from target.loader import save_hf_dir
+    from target.loader import save_hf_dir  # here: torch and transformers, only to write the dir
 
     if not (Path(model_dir) / "config.json").exists():
         save_hf_dir(target, model_dir)
