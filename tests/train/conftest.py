@@ -20,25 +20,18 @@ def _store_of_greedy_outputs(target_dir: str, prompts: str, store: str, new_toke
     byte tokens do not survive decode -> re-encode, so the stored sequences would not be what the
     target generates and no drafter could be accepted.
     """
-    from cache_format import (
-        DatasetInfo,
-        Manifest,
-        ShardWriter,
-        create_store,
-        finalize_store,
-        write_frozen,
-    )
+    import cache_format as cf
     from chat.conversations import read_conversations
     from target.loader import capture, frozen_parts, load_target
     from train.spec_decode import target_generate
 
     t = load_target(target_dir, device=torch.device("cpu"))
-    m = Manifest(target=t.info, tokenizer_sha256=t.tokenizer_sha256, layer_ids=(0, 2), mask_token_id=300, last_hidden=True,
-                 dataset=DatasetInfo(path=prompts, sha256="-", num_records=6), max_len=256,
+    m = cf.Manifest(target=t.info, tokenizer_sha256=t.tokenizer_sha256, layer_ids=(0, 2), mask_token_id=300, last_hidden=True,
+                 dataset=cf.DatasetInfo(path=prompts, sha256="-", num_records=6), max_len=256,
                  bucket_bounds=(256,), rows_per_shard=256, rows_per_chunk=32)
-    create_store(store, m)
-    write_frozen(store, frozen_parts(t.model))
-    with ShardWriter(store, writer_id=0) as w, capture(t.model, [0, 2]) as taps, torch.no_grad():
+    cf.create_store(store, m)
+    cf.write_frozen(store, frozen_parts(t.model))
+    with cf.ShardWriter(store, writer_id=0) as w, capture(t.model, [0, 2]) as taps, torch.no_grad():
         for sid, msgs in read_conversations(prompts, skip_bad=False):
             msgs = [x for x in msgs if x["role"] != "assistant"]
             ids = list(t.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
@@ -47,7 +40,7 @@ def _store_of_greedy_outputs(target_dir: str, prompts: str, store: str, new_toke
             last = t.model.model(seq[None]).last_hidden_state[0]
             mask = torch.tensor([0] * len(ids) + [1] * len(out))
             w.add(sid, input_ids=seq, loss_mask=mask, hidden=torch.cat([taps[0][0], taps[2][0]], -1), last_hidden=last)
-    finalize_store(store, m)
+    cf.finalize_store(store, m)
 
 
 @pytest.fixture(scope="session")
