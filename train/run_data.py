@@ -32,8 +32,8 @@ class RunData:
     val_reader: StoreReader | None  # --val-store
     collate: CollateSettings
     rank: int
-    world: int
-    local_world: int
+    world_size: int  # ranks in all
+    local_world_size: int  # ranks on this node
     device: torch.device
     preempt: Preemption
     # shards checked once per run and node, not once per worker process (workers start anew each
@@ -43,7 +43,7 @@ class RunData:
 
     def share(self, obj: list) -> list:
         """Rank 0's object on every rank."""
-        if self.world > 1:
+        if self.world_size > 1:
             dist.broadcast_object_list(obj, src=0)
         return obj
 
@@ -72,11 +72,11 @@ class RunData:
         keep = np.isin(ids, view.sample_ids)
         if self.held is not None:
             keep &= ~self.held
-        nodes = self.world // self.local_world if cfg.node_affine else 1
+        nodes = self.world_size // self.local_world_size if cfg.node_affine else 1
         node_of = node_shares(r.home_shards()[keep], lens[keep], nodes) if nodes > 1 else None
         return plan_epoch(ids[keep], lens[keep], bks[keep], token_budget=cfg.token_budget,
-                          seed=cfg.seed, epoch=epoch, ranks=self.world, grad_accum=cfg.grad_accum,
-                          node_of=node_of, nodes=nodes)
+                          seed=cfg.seed, epoch=epoch, ranks=self.world_size,
+                          grad_accum=cfg.grad_accum, node_of=node_of, nodes=nodes)
 
     def steps_per_epoch(self) -> int:
         """Steps an epoch takes; in follow mode the first plan scaled by records expected / seen."""
@@ -84,9 +84,9 @@ class RunData:
         n = len(self.steps_in(0, view))
         if n == 0 and view.finalized:  # else it would train 0 steps and say nothing was wrong
             raise ValueError(f"{cfg.store}: {len(self.reader)} samples make fewer micro-batches of "
-                             f"--token-budget {cfg.token_budget} than one step needs ({self.world} "
-                             f"ranks x --grad-accum {cfg.grad_accum}); lower the token budget or "
-                             "use fewer ranks")
+                             f"--token-budget {cfg.token_budget} than one step needs "
+                             f"({self.world_size} ranks x --grad-accum {cfg.grad_accum}); lower "
+                             "the token budget or use fewer ranks")
         if not view.finalized:
             n = int(n * self.reader.manifest.dataset.num_records / max(1, len(view.sample_ids))) + 1
         return n
@@ -97,7 +97,7 @@ class RunData:
         cfg, ga = self.cfg, self.cfg.grad_accum
         steps = self.steps_in(epoch, view)
         micro = [mb for s in steps[first:] for mb in s[self.rank * ga:(self.rank + 1) * ga]]
-        keys = [(first + i // ga) * self.world * ga + self.rank * ga + i % ga
+        keys = [(first + i // ga) * self.world_size * ga + self.rank * ga + i % ga
                 for i in range(len(micro))]
         # a store read by URL: this rank's shards of the epoch come now, in parallel, before the
         # workers fork
@@ -124,6 +124,6 @@ class RunData:
         r = self.reader if self.val_reader is None else self.val_reader
         held = self.held if self.val_reader is None else np.ones(len(r.sample_ids), dtype=bool)
         ds = replay_dataset(r, held, self.collate, token_budget=self.cfg.token_budget,
-                            ranks=self.world, rank=self.rank, seed=self.cfg.seed,
+                            ranks=self.world_size, rank=self.rank, seed=self.cfg.seed,
                             verify_shards=self.cfg.check_shards)
         return ds, domain_groups(r, held)

@@ -70,8 +70,8 @@ class Trainer:
         self.cfg, self.t_start, self.closing_s = cfg, time.time(), 0.0
         self.preempt = preempt or Preemption()  # one not entered never notes a signal
         world = World.from_env()
-        self.rank, self.world = world.rank, world.world_size
-        self.local_world = world.local_world_size
+        self.rank, self.world_size = world.rank, world.world_size
+        self.local_world_size = world.local_world_size
         self.device = world.join()
         # batch copies on a side stream overlap the step (docs/BENCHMARKS.md: the copy paths side by
         # side)
@@ -89,12 +89,12 @@ class Trainer:
         self.state = resumed_state(cfg, self.model, self.opt, self.sched,
                                    reader=self.data.reader, dc=self.dc,
                                    layer_ids=self.layer_ids, total=self.total, rank=self.rank,
-                                   world=self.world)
+                                   world=self.world_size)
         # in place: parameter names (checkpoints, export) stay those of the eager model
         if cfg.compile:
             self.model.compile_layers()
-        self.ddp = data_parallel(self.model,
-                                 grad_reduce=cfg.grad_reduce) if self.world > 1 else self.model
+        self.ddp = (data_parallel(self.model, grad_reduce=cfg.grad_reduce)
+                    if self.world_size > 1 else self.model)
         self.loss = loss_settings(cfg, self.device, self.dc)
         # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
         if self.rank == 0:
@@ -132,8 +132,8 @@ class Trainer:
         self.data = RunData(
             cfg=cfg, reader=reader, watch=watch, held=held, collate=collate,
             val_reader=open_val_store(cfg, reader) if cfg.val_store else None,
-            rank=self.rank, world=self.world, local_world=self.local_world, device=self.device,
-            preempt=self.preempt,
+            rank=self.rank, world_size=self.world_size, local_world_size=self.local_world_size,
+            device=self.device, preempt=self.preempt,
             verified_dir=str(Path(cfg.out) / ".verified-shards" / socket.gethostname()))
         return m
 
@@ -169,7 +169,7 @@ class Trainer:
             t_wait = time.time()
             batch = to_device(next(batches), self.device, self.copy_stream)
             self.stats.wait += time.time() - t_wait
-            sync = a == cfg.grad_accum - 1 or self.world == 1
+            sync = a == cfg.grad_accum - 1 or self.world_size == 1
             with self.ddp.no_sync() if not sync else contextlib.nullcontext():
                 out = forward_backward(self.ddp, batch, self.loss, grad_scale=1.0 / cfg.grad_accum)
             self.stats.add(out, batch)
@@ -184,7 +184,7 @@ class Trainer:
         """Stop with one line if any step so far had a non-finite loss or gradient norm: the weights
         after it are not to be evaluated, saved or exported (every rank raises alike)."""
         bad = self.diverged_at.clone()
-        if self.world > 1:
+        if self.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if int(bad):
             raise ValueError(f"{self.cfg.out}: training diverged at step {int(bad)} (a loss or "
@@ -194,13 +194,13 @@ class Trainer:
     def log_row(self, epoch: int) -> None:
         """One metrics row over the steps since the last one (all ranks take part)."""
         self.check_finite()
-        s = self.stats.reduced(self.world)
+        s = self.stats.reduced(self.world_size)
         dt = time.time() - self.stats.since
         acc = s.acc()
         row = {"step": self.step, "epoch": epoch, "loss": float(s["loss"] / s["weight"]),
                "lr": self.sched.get_last_lr()[0], "acc": acc, "sim_tau": acceptance_from_acc(acc),
                "positions_per_s": float(s["positions"]) / dt,
-               "data_wait_frac": float(s["wait"]) / self.world / dt}
+               "data_wait_frac": float(s["wait"]) / self.world_size / dt}
         self.log.write(row)
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}")
         self.stats.reset()
@@ -210,7 +210,7 @@ class Trainer:
         checkpoints/best-STEP."""
         self.check_finite()
         budget = self.cfg.val_tree_budget
-        row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world,
+        row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world_size,
                                loss=self.loss, groups=self.val_groups,
                                tree_budgets=(budget,) if budget else ())
         self.log.write({"step": self.step, "epoch": epoch, **row})
@@ -221,7 +221,7 @@ class Trainer:
                 save_best(self.cfg.out, self.step, model=self.model,
                           state={"step": self.step, "epoch": epoch, **row,
                                  "config": self.cfg.to_dict(), **self.record})
-            if self.world > 1:
+            if self.world_size > 1:
                 dist.barrier()
 
     def save(self) -> None:
@@ -237,7 +237,7 @@ class Trainer:
                             state={"step": self.step, "epoch": self.state.epoch,
                                    "step_in_epoch": self.state.in_epoch,
                                    "config": self.cfg.to_dict(), **self.record})
-        if self.world > 1:
+        if self.world_size > 1:
             dist.barrier()
 
     # ------------------------------------------------------------------ the loop
@@ -267,9 +267,9 @@ class Trainer:
                 # early
                 deadline = self.t_start + cfg.time_limit - self.closing_s
                 if (cfg.time_limit and self.step < self.total
-                        and any_rank_past(deadline, self.device, self.world)):
+                        and any_rank_past(deadline, self.device, self.world_size)):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
-                if any_rank(self.preempt.requested(), self.device, self.world):
+                if any_rank(self.preempt.requested(), self.device, self.world_size):
                     # SIGTERM or SIGINT: the closing checkpoint is this step's
                     self.state.stopping("signal")
             self.state.epoch, self.state.in_epoch = epoch, s_idx + 1
