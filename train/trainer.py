@@ -45,7 +45,7 @@ from train.start import (
     open_val_store,
     run_record,
 )
-from train.state import any_rank_past
+from train.state import TrainState, any_rank_past
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
@@ -61,8 +61,10 @@ class Trainer:
     """One rank's training run: the store and its plan, the drafter and its optimizer, the loop
     state.
 
-    `fit()` runs epochs of `train_step`s from where `resume()` left off, with metrics rows,
-    held-out `validate()`s and `save()`d checkpoints on their schedules.
+    The constructor builds them and touches no checkpoint: `resume()` says where the run starts
+    (loading a checkpoint or first weights into the drafter, optimizer and schedule), and
+    `fit(state)` runs epochs of `train_step`s from there, with metrics rows, held-out `validate()`s
+    and `save()`d checkpoints on their schedules.
     """
 
     def __init__(self, cfg: TrainConfig, preempt: Preemption | None = None) -> None:
@@ -78,7 +80,7 @@ class Trainer:
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(cfg.seed)
 
-        m = self._open_store(cfg)
+        self._open_store(cfg)
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.data.view = self.data.first_view()
@@ -86,20 +88,7 @@ class Trainer:
         per_epoch = self.data.steps_per_epoch()
         self.total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
-        self.state = resumed_state(cfg, self.model, self.opt, self.sched,
-                                   reader=self.data.reader, dc=self.dc,
-                                   layer_ids=self.layer_ids, total=self.total, rank=self.rank,
-                                   world=self.world_size)
-        # in place: parameter names (checkpoints, export) stay those of the eager model
-        if cfg.compile:
-            self.model.compile_layers()
-        self.ddp = (data_parallel(self.model, grad_reduce=cfg.grad_reduce)
-                    if self.world_size > 1 else self.model)
         self.loss = loss_settings(cfg, self.device, self.dc)
-        # the resolved config beside the metrics: `python -m train --config RUN/config.toml`
-        if self.rank == 0:
-            (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
-        self._open_records(cfg, m)
         self.stats = StepStats(cfg.block_size, self.device)
         # the step last checkpointed: a run's end often falls on a --checkpoint-every step
         self.saved_at = -1
@@ -107,9 +96,8 @@ class Trainer:
         # the check costs no host sync per step; read before every row, evaluation and checkpoint
         self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
 
-    def _open_store(self, cfg: TrainConfig):
-        """The store, its held-out split, the drafter's config, vocabulary and model; returns the
-        store's manifest."""
+    def _open_store(self, cfg: TrainConfig) -> None:
+        """The store, its held-out split, the drafter's config, vocabulary and model."""
         watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)
         reader = open_store(cfg, self.rank, watch)
         m = reader.manifest
@@ -135,7 +123,27 @@ class Trainer:
             rank=self.rank, world_size=self.world_size, local_world_size=self.local_world_size,
             device=self.device, preempt=self.preempt,
             verified_dir=str(Path(cfg.out) / ".verified-shards" / socket.gethostname()))
-        return m
+
+    def resume(self) -> TrainState:
+        """Where the run starts (train.resume.resumed_state): a new run's refusal of a used run
+        directory, or the checkpoint it continues loaded into the drafter, optimizer and
+        schedule."""
+        return resumed_state(self.cfg, self.model, self.opt, self.sched, reader=self.data.reader,
+                             dc=self.dc, layer_ids=self.layer_ids, total=self.total,
+                             rank=self.rank, world=self.world_size)
+
+    def _begin(self, state: TrainState) -> None:
+        """From `state` on: the drafter compiled and wrapped for DDP, the resolved config beside
+        the metrics (`python -m train --config RUN/config.toml`), the run's records opened."""
+        cfg, self.state = self.cfg, state
+        # in place: parameter names (checkpoints, export) stay those of the eager model
+        if cfg.compile:
+            self.model.compile_layers()
+        self.ddp = (data_parallel(self.model, grad_reduce=cfg.grad_reduce)
+                    if self.world_size > 1 else self.model)
+        if self.rank == 0:
+            (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
+        self._open_records(cfg, self.data.reader.manifest)
 
     def _open_records(self, cfg: TrainConfig, m) -> None:
         """The run record, the metrics log, the held-out set and the best score so far."""
@@ -291,7 +299,9 @@ class Trainer:
                 return True, ahead
         return False, ahead
 
-    def fit(self) -> dict[str, Any]:
+    def fit(self, state: TrainState) -> dict[str, Any]:
+        """Train from `state` (Trainer.resume's) to the run's end; returns its summary."""
+        self._begin(state)
         cfg = self.cfg
         compiled = [name for name, on in (("FlexAttention", self.loss.use_flex),
                                           ("the drafter layers", cfg.compile)) if on]
@@ -338,4 +348,5 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     first = World.from_env().rank == 0
     lock = WriterLock(cfg.out, what="run directory") if first else contextlib.nullcontext()
     with lock, Preemption() as preempt:
-        return Trainer(cfg, preempt).fit()
+        trainer = Trainer(cfg, preempt)
+        return trainer.fit(trainer.resume())

@@ -36,12 +36,19 @@ def _cfg(store: str, out: Path, **kw) -> TrainConfig:
                                  token_budget=1024, workers=0, val_samples=0), **kw})
 
 
+def _started(cfg: TrainConfig) -> Trainer:
+    """A trainer whose drafter holds the run's first weights (what its resume() loads)."""
+    trainer = Trainer(cfg)
+    trainer.resume()
+    return trainer
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_drafter_layers_start_as_the_kept_target_layers(tmp_path, arch):
     target, store = _store(tmp_path, arch, keep=(1, 3))
     t = load_target(target, device=torch.device("cpu"), dtype=torch.float32).model
-    init = Trainer(_cfg(store, tmp_path / "init", init_layers=(3, 1))).model
-    fresh = Trainer(_cfg(store, tmp_path / "fresh")).model
+    init, fresh = (_started(_cfg(store, tmp_path / d, **kw)).model
+                   for d, kw in (("init", {"init_layers": (3, 1)}), ("fresh", {})))
     for j, lid in enumerate((3, 1)):
         theirs = dict(t.model.layers[lid].named_parameters())
         mine = init.layers[j]
@@ -66,9 +73,9 @@ def test_layers_not_kept_or_of_another_shape_are_refused_in_one_line(tmp_path):
     assert shown.exit_code == 0 and "kept layers  [1, 3]" in shown.output, shown.output
     with pytest.raises(ValueError, match=r"s\.zarr: --init-layers: target layer 2 is not kept in the store "
                                          r"\(it keeps \[1, 3\]; extract with --keep-layers\)"):
-        Trainer(_cfg(store, tmp_path / "a", init_layers=(1, 2)))
+        _started(_cfg(store, tmp_path / "a", init_layers=(1, 2)))
     with pytest.raises(ValueError, match=r"--init-layers \[1, 3\]: the weights do not fit this drafter") as e:
-        Trainer(_cfg(store, tmp_path / "b", init_layers=(1, 3), intermediate_size=48))
+        _started(_cfg(store, tmp_path / "b", init_layers=(1, 3), intermediate_size=48))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="one layer id >= 0 per drafter layer"):
         _cfg(store, tmp_path / "c", init_layers=(1,))

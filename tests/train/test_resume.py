@@ -13,7 +13,7 @@ import torch
 from tests.helpers import kill_after, metric_rows, train_cfg
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
-from train.trainer import train
+from train.trainer import Trainer, train
 
 
 def test_resume_continues_identically(store, tmp_path):
@@ -271,3 +271,15 @@ def test_a_checkpoint_older_than_a_config_field_resumes_as_its_default(tmp_path)
     check_resume(cfg, saved, "x")
     with pytest.raises(ValueError, match="node_affine: checkpoint has False, now True"):
         check_resume(dataclasses.replace(cfg, node_affine=True), saved, "x")
+
+
+def test_building_a_trainer_touches_no_checkpoint_and_resume_refuses_a_used_run(store, tmp_path):
+    out = tmp_path / "r"
+    train(train_cfg(store, out, max_steps=4, checkpoint_every=2, token_budget=256))
+    files = lambda: {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("*")}
+    before = files()
+    trainer = Trainer(train_cfg(store, out, max_steps=4, token_budget=256))  # no --resume
+    assert files() == before  # the constructor neither refused the used run nor wrote into it
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run: pass --resume"):
+        trainer.resume()
+    assert files() == before
