@@ -19,8 +19,8 @@ from pathlib import Path
 from chat.conversations import jsonl_records, prompt_key
 
 __all__ = ["DOMAINS", "HELDOUT_GSM8K", "TEST_PER_DOMAIN", "domain_of", "heldout_domains",
-           "heldout_multiturn", "heldout_prompts",
-           "heldout_user_texts", "evaluation_prompts", "train_prompts", "validation_prompts"]
+           "heldout_multiturn", "heldout_prompts", "heldout_user_texts", "evaluation_prompts",
+           "train_prompts", "validation_prompts"]
 
 HELDOUT_GSM8K = 100
 TEST_PER_DOMAIN = 16  # the test: the first 16 held-out prompts of each domain (--limit 48)
