@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from runtime.world import any_rank
 
-__all__ = ["TrainState", "any_rank_past"]
+__all__ = ["HeldOut", "TrainState", "any_rank_past"]
 
 STOPS = ("", "steps", "time limit", "patience", "signal")
 
@@ -20,8 +21,7 @@ class TrainState:
 
     A checkpoint saves (epoch, in_epoch): a resumed run starts that epoch at that step. The stop
     reason is set by the loop (its last step, --time-limit, --patience, SIGTERM or SIGINT) and read
-    by `fit`'s summary;
-    the learning-rate schedule's length never changes with it.
+    by `fit`'s summary; the learning-rate schedule's length never changes with it.
     """
 
     step: int = 0
@@ -36,6 +36,26 @@ class TrainState:
         if reason not in STOPS[1:]:
             raise ValueError(f"unknown stop reason {reason!r}")
         self.stop = self.stop or reason  # the first reason is the one reported
+
+
+@dataclass
+class HeldOut:
+    """The held-out set a rank evaluates (`ds` None: none) and the best score so far by the figure
+    `by` (train.start.best_by); `stale` counts the evaluations since it (--patience)."""
+
+    ds: Any
+    groups: dict[str, torch.Tensor]
+    by: str
+    best: float = float("-inf")
+    stale: int = 0
+
+    def note(self, score: float) -> bool:
+        """Count one evaluation of `score`; whether it is a new best."""
+        self.stale += 1
+        if score > self.best:
+            self.best, self.stale = score, 0
+            return True
+        return False
 
 
 def any_rank_past(deadline: float, device: torch.device, world: int) -> bool:

@@ -45,7 +45,7 @@ from train.start import (
     open_val_store,
     run_record,
 )
-from train.state import TrainState, any_rank_past
+from train.state import HeldOut, TrainState, any_rank_past
 from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
 
 __all__ = ["Trainer", "train"]
@@ -73,14 +73,13 @@ class Trainer:
         self.preempt = preempt or Preemption()  # one not entered never notes a signal
         world = World.from_env()
         self.rank, self.world_size = world.rank, world.world_size
-        self.local_world_size = world.local_world_size
         self.device = world.join()
         # batch copies on a side stream overlap the step (docs/BENCHMARKS.md: the copy paths side by
         # side)
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         torch.manual_seed(cfg.seed)
 
-        self._open_store(cfg)
+        coverage = self._open_store(cfg, world.local_world_size)
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         self.opt = make_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.data.view = self.data.first_view()
@@ -88,6 +87,8 @@ class Trainer:
         per_epoch = self.data.steps_per_epoch()
         self.total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
+        self.record = run_record(cfg, self.dc, self.data.reader.manifest, self.layer_ids,
+                                 total_steps=self.total, draft_vocab_coverage=coverage)
         self.loss = loss_settings(cfg, self.device, self.dc)
         self.stats = StepStats(cfg.block_size, self.device)
         # the step last checkpointed: a run's end often falls on a --checkpoint-every step
@@ -96,8 +97,9 @@ class Trainer:
         # the check costs no host sync per step; read before every row, evaluation and checkpoint
         self.diverged_at = torch.zeros((), dtype=torch.long, device=self.device)
 
-    def _open_store(self, cfg: TrainConfig) -> None:
-        """The store, its held-out split, the drafter's config, vocabulary and model."""
+    def _open_store(self, cfg: TrainConfig, local_world_size: int) -> float | None:
+        """The store, its held-out split, the drafter's config, vocabulary and model; returns the
+        draft vocabulary's coverage of the held-out answers (None without one)."""
         watch = WriterWatch(cfg.store, cfg.follow_timeout, announce=self.rank == 0)
         reader = open_store(cfg, self.rank, watch)
         m = reader.manifest
@@ -108,7 +110,7 @@ class Trainer:
                     if cfg.val_samples else None)
         except ValueError as e:
             raise ValueError(f"{cfg.store}: --val-samples: {e}") from None
-        draft_ids, self.vocab_coverage = draft_vocab_of(cfg.draft_vocab, reader, held,
+        draft_ids, coverage = draft_vocab_of(cfg.draft_vocab, reader, held,
                                                         self.dc.vocab_size, announce=self.rank == 0)
         if draft_ids is not None:
             self.dc = dataclasses.replace(self.dc, draft_vocab_size=len(draft_ids))
@@ -120,9 +122,10 @@ class Trainer:
         self.data = RunData(
             cfg=cfg, reader=reader, watch=watch, held=held, collate=collate,
             val_reader=open_val_store(cfg, reader) if cfg.val_store else None,
-            rank=self.rank, world_size=self.world_size, local_world_size=self.local_world_size,
+            rank=self.rank, world_size=self.world_size, local_world_size=local_world_size,
             device=self.device, preempt=self.preempt,
             verified_dir=str(Path(cfg.out) / ".verified-shards" / socket.gethostname()))
+        return coverage
 
     def resume(self) -> TrainState:
         """Where the run starts (train.resume.resumed_state): a new run's refusal of a used run
@@ -143,23 +146,17 @@ class Trainer:
                     if self.world_size > 1 else self.model)
         if self.rank == 0:
             (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
-        self._open_records(cfg, self.data.reader.manifest)
+        self._open_records(cfg)
 
-    def _open_records(self, cfg: TrainConfig, m) -> None:
-        """The run record, the metrics log, the held-out set and the best score so far."""
-        self.record = run_record(cfg, self.dc, m, self.layer_ids, total_steps=self.total,
-                                 draft_vocab_coverage=self.vocab_coverage)
+    def _open_records(self, cfg: TrainConfig) -> None:
+        """The metrics log, the held-out set and the best score so far."""
+        shown = {k: self.record[k] for k in ("train", "drafter")}
         self.log = MetricsLog(cfg.out, self.rank == 0, step=self.step, tensorboard=cfg.tensorboard,
-                              wandb=cfg.wandb,
-                              config={k: self.record[k] for k in ("train", "drafter")})
-        self.val_ds, self.val_groups = self.data.holdout_set()
-        best_ck = best_checkpoint(cfg.out) if cfg.resume else None
-        self.best_by = best_by(cfg)
-        best = best_state(best_ck, self.best_by) if best_ck else {"step": self.step,
-                                                                  self.best_by: float("-inf")}
-        self.best_score = best[self.best_by]
-        # evaluations since the best (patience)
-        self.stale = max(0, self.step - best["step"]) // cfg.val_every
+                              wandb=cfg.wandb, config=shown)
+        by, best_ck = best_by(cfg), best_checkpoint(cfg.out) if cfg.resume else None
+        best = best_state(best_ck, by) if best_ck else {"step": self.step, by: float("-inf")}
+        self.held_out = HeldOut(*self.data.holdout_set(), by=by, best=best[by],
+                                stale=max(0, self.step - best["step"]) // cfg.val_every)
 
     @property
     def step(self) -> int:
@@ -218,13 +215,12 @@ class Trainer:
         checkpoints/best-STEP."""
         self.check_finite()
         budget = self.cfg.val_tree_budget
-        row = evaluate_holdout(self.model, self.val_ds, self.device, world=self.world_size,
-                               loss=self.loss, groups=self.val_groups,
+        row = evaluate_holdout(self.model, self.held_out.ds, self.device, world=self.world_size,
+                               loss=self.loss, groups=self.held_out.groups,
                                tree_budgets=(budget,) if budget else ())
         self.log.write({"step": self.step, "epoch": epoch, **row})
-        self.stale += 1
-        if row[self.best_by] > self.best_score:  # every rank holds the all-reduced row: all agree
-            self.best_score, self.stale = row[self.best_by], 0
+        # every rank holds the all-reduced row: all agree
+        if self.held_out.note(row[self.held_out.by]):
             if self.rank == 0:
                 save_best(self.cfg.out, self.step, model=self.model,
                           state={"step": self.step, "epoch": epoch, **row,
@@ -282,9 +278,9 @@ class Trainer:
                     self.state.stopping("signal")
             self.state.epoch, self.state.in_epoch = epoch, s_idx + 1
             t_pause = time.time()
-            if self.val_ds is not None and self.step % cfg.val_every == 0:
+            if self.held_out.ds is not None and self.step % cfg.val_every == 0:
                 self.validate(epoch)
-                if cfg.patience and self.stale >= cfg.patience:
+                if cfg.patience and self.held_out.stale >= cfg.patience:
                     # the checkpoint below and the final one are this step's
                     self.state.stopping("patience")
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
@@ -327,7 +323,7 @@ class Trainer:
         # steps since the last row (a run ended by its epochs between rows)
         if self.stats.micro_batches:
             self.log_row(epoch - 1)
-        if self.val_ds is not None and self.step % cfg.val_every:
+        if self.held_out.ds is not None and self.step % cfg.val_every:
             self.validate(epoch - 1)  # the epoch of the last step (the loop counted one past it)
         self.save()
         self.log.close()
