@@ -153,9 +153,8 @@ def write_peer_hidden(store: str, out: str, order: list[list[int]], *, procs: in
 def prepared_order(data: str) -> list[list[int]]:
     """The token ids of the rows of a `speculators prepare-data` output directory, in its order."""
     try:
-        from datasets import (
-            load_from_disk,  # speculators' own dependency: installed with it, not with us
-        )
+        # speculators' own dependency: installed with it, not with us
+        from datasets import load_from_disk
     except ImportError:
         raise ValueError("reading prepare-data's output needs the `datasets` package that speculators "
                          "installs") from None

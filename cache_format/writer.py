@@ -320,26 +320,23 @@ class ShardWriter:
             arrays = self._open(b)
             crc = {}
             raw = fill == self._rows and self.manifest.compression == "none"
+            group, shard = group_key(self.writer_id, b), base // self._rows
             for a in self._arrays:
                 z, data = arrays[a.name], buf[a.name][:fill]
                 if z.shape[0] != end:
                     z.resize((end, *z.shape[1:]))
                 if raw:  # a whole uncompressed shard: its zarr v3 bytes are the rows + an index
-                    path = shard_file(self.root, group_key(self.writer_id, b), a,
-                                      base // self._rows)
-                    write_raw_shard(path, data, self.manifest.rows_per_chunk if a.width else 0)
+                    write_raw_shard(shard_file(self.root, group, a, shard), data,
+                                    self.manifest.rows_per_chunk if a.width else 0)
                 else:
                     z[base:end] = data
                 crc[a.name] = checksum(data)
-            entry = {"bucket": b, "shard": base // self._rows, "rows": fill, "crc32c": crc,
-                     "samples": done}
+            entry = {"bucket": b, "shard": shard, "rows": fill, "crc32c": crc, "samples": done}
             if fill < self._rows:
                 # A tail shard's edge chunk is padded past the array's end; the padding is not
                 # covered by the row checksums, so checksum the stored files too (small, rare).
-                group = group_key(self.writer_id, b)
-                entry["file_crc32c"] = {a.name: file_checksum(shard_file(self.root, group, a,
-                                                                          entry["shard"]))
-                                        for a in self._arrays}
+                files = {a.name: shard_file(self.root, group, a, shard) for a in self._arrays}
+                entry["file_crc32c"] = {name: file_checksum(p) for name, p in files.items()}
             if self.manifest.dtype in QUANTIZED:  # error added since the previous entry
                 entry["quant_sq_err"], entry["quant_sq_ref"] = quant_err
             self._append_log(entry)
