@@ -131,13 +131,15 @@ valstore)  # answers of 256 tokens (val_decode_tau_96 reads the evaluation's 96-
 peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_bench.py); each step is skipped
   # when its output is there, so the stage spans calls. PEER_FRACTION of the 100K file (default 0.2: its
   # bf16 hidden-state files, ~6.9 KB a token, ~40 GB, fit the disk beside the image), PEER_STORE (the subset's
-  # store, default /dev/shm/peers.zarr), PEER_KIND (dspark or dflash), PEER_TLIM (seconds it trains, default
-  # 300, its compilation included, as ours' --time-limit), PEER_STEPS and PEER_EPOCHS (its cosine and the
-  # epochs that hold it; default: what a probe of PEER_PROBE steps, default 120, says fits PEER_TLIM:
-  # `bench peers plan`), PEER_ARGS (more of its train options, e.g. --max-anchors 2048), OURS (our
-  # run on the same store: decoded beside its drafter in the last step), PEER_STOP (data:
-  # end after its files; probe: after the probe; train: end after its training and conversion), PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH
-  # (scripts/peer_wheels.sh). Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
+  # store, default /dev/shm/peers.zarr), PEER_KIND (dspark or dflash; each kind has its own probe, checkpoints
+  # and export), PEER_TLIM (seconds it trains, default 300, its compilation included, as ours' --time-limit),
+  # PEER_STEPS and PEER_EPOCHS (its cosine and the epochs that hold it; default: what a probe of PEER_PROBE
+  # steps, default 120, says fits PEER_TLIM: `bench peers plan`), PEER_ARGS (more of its train options, e.g.
+  # --max-anchors 2048), PEER_EVAL (the kinds the last step decodes, default PEER_KIND, e.g. "dspark
+  # dflash"), OURS (our run on the same store: decoded beside them in the last step), PEER_STOP (data:
+  # end after its files; probe: after the probe; train: end after its training and conversion),
+  # PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH (scripts/peer_wheels.sh).
+  # Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
   P=$W/peers; PS=${PEER_STORE:-/dev/shm/peers.zarr}; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
   spec=(python3 -c 'import sys; from speculators.__main__ import app; sys.argv[0] = "speculators"; app()')
   if [ ! -f "$PS/zarr.json" ]; then
@@ -164,44 +166,47 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
     --block-size 8 --target-layer-ids 2 9 15 21 28 --mask-token-id 16 --full-attention-indices 0 1 2 3 4
     --no-sample-from-anchor --draft-vocab-size 12288 --lr 1.2e-3 --scheduler-type cosine --total-seq-len 16384
     --train-data-ratio 0.98 --log-freq 100 --loss-implementation "${PEER_LOSS:-eager}" ${PEER_ARGS:-})
-  steps=${PEER_STEPS:-}; epochs=${PEER_EPOCHS:-50}
-  if [ -z "$steps" ] && [ ! -d "$P/ck" ]; then  # its step time and compile time from a 120-step probe
+  steps=${PEER_STEPS:-}; epochs=${PEER_EPOCHS:-50}; out=${OUT:-/tmp/out}; mkdir -p "$out"
+  if [ -z "$steps" ] && [ ! -d "$P/ck-$kind" ]; then  # its step time and compile time from a 120-step probe
     timeout 400 "${spec[@]}" "${ptrain[@]}" --max-steps "${PEER_PROBE:-120}" --epochs 1 --checkpoint-freq 1 \
-      --save-path "$P/probe" > "$P/probe.log" 2>&1
-    gzip -c "$P/probe.log" > "${OUT:-/tmp/out}/peer_probe.log.gz"
-    plan=$(python3 -m bench peers plan --log "$P/probe.log" --seconds "${PEER_TLIM:-300}") || exit 1
+      --save-path "$P/probe" > "$P/probe-$kind.log" 2>&1
+    gzip -c "$P/probe-$kind.log" > "$out/peer_${kind}_probe.log.gz"
+    plan=$(python3 -m bench peers plan --log "$P/probe-$kind.log" --seconds "${PEER_TLIM:-300}") || exit 1
     read -r steps epochs < <(python3 -c 'import json, sys; p = json.loads(sys.argv[1]); print(p["steps"], p["epochs"])' "$plan")
-    echo "probe: $plan"; rm -rf "$P/probe"
+    echo "probe $kind: $plan"; rm -rf "$P/probe"
     [ "${PEER_STOP:-}" = probe ] && exit 0
   fi
-  if [ ! -d "$P/ck" ]; then  # a checkpoint every tenth of an epoch: a run the timeout cuts still leaves one
+  if [ ! -d "$P/ck-$kind" ]; then  # a checkpoint every tenth of an epoch: a run the timeout cuts still leaves one
     s=$(date +%s)
     timeout $(( ${PEER_TLIM:-300} + 150 )) "${spec[@]}" "${ptrain[@]}" --max-steps "$steps" --epochs "$epochs" \
-      --checkpoint-freq 0.1 --save-path "$P/ck" > "$P/peer_train.log" 2>&1
-    echo "speculators train exit $? after $(( $(date +%s) - s )) s, $steps steps"
-    tr '\r' '\n' < "$P/peer_train.log" | grep -v '^\s*$' | tail -n 4
-    gzip -c "$P/peer_train.log" > "${OUT:-/tmp/out}/peer_train.log.gz"
+      --checkpoint-freq 0.1 --save-path "$P/ck-$kind" > "$P/train-$kind.log" 2>&1
+    echo "speculators train $kind exit $? after $(( $(date +%s) - s )) s, $steps steps"
+    tr '\r' '\n' < "$P/train-$kind.log" | grep -v '^\s*$' | tail -n 4
+    gzip -c "$P/train-$kind.log" > "$out/peer_${kind}_train.log.gz"
   fi
-  ck=$(find "$P/ck" -name model.safetensors -printf '%T@ %h\n' | sort -n | tail -n 1 | cut -d' ' -f2)
-  [ -d "$P/e" ] || python3 -m bench peers convert --checkpoint "$ck" --store "$PS" --out "$P/e" ${PEER_CONVERT_ARGS:-} > /dev/null || exit 1
-  cp "$P/e/config.json" "${OUT:-/tmp/out}/peer_export_config.json" 2>/dev/null
+  ck=$(find "$P/ck-$kind" -name model.safetensors -printf '%T@ %h\n' | sort -n | tail -n 1 | cut -d' ' -f2)
+  # shellcheck disable=SC2086
+  [ -d "$P/e-$kind" ] || python3 -m bench peers convert --checkpoint "$ck" --store "$PS" --out "$P/e-$kind" \
+    ${PEER_CONVERT_ARGS:-} > /dev/null || exit 1
+  cp "$P/e-$kind/config.json" "$out/peer_${kind}_export_config.json" 2>/dev/null
   [ "${PEER_STOP:-}" = train ] && exit 0
-  # OURS=RUN (ours trained on the same store): its export decoded at the same time, one process
-  # each on the one GPU; their τ are figures, their speedups are not (the two share the card)
+  # each export of PEER_EVAL and OURS=RUN (ours trained on the same store) decoded at the same time, one
+  # process each on the one GPU; their τ are figures, their speedups are not (they share the card)
   ev=(--limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 ${EVAL_ARGS:---no-prompt-lookup --tree-budget 0,512}
     --json "${TARGET[@]}")
-  mine=
+  exports=(); for k in ${PEER_EVAL:-$kind}; do exports+=("$P/e-$k"); done
   if [ -n "${OURS:-}" ]; then
     # shellcheck disable=SC2086
     python3 -m train.export --run "$OURS" --out "$W/ours_export" --overwrite ${EXPORT_ARGS:-} > /dev/null || exit 1
-    python3 -m train.eval --export "$W/ours_export" "${ev[@]}" > "$W/ours_eval.log" 2>&1 & mine=$!
+    exports+=("$W/ours_export")
   fi
-  python3 -m train.eval --export "$P/e" "${ev[@]}" 2>&1 | tail -n 1 | cut -c1-1500
-  cp "$P/e/eval.json" "${OUT:-/tmp/out}/peer_eval.json" 2>/dev/null
-  if [ -n "$mine" ]; then
-    wait "$mine"; tail -n 1 "$W/ours_eval.log" | cut -c1-1500
-    cp "$W/ours_export/eval.json" "${OUT:-/tmp/out}/ours_eval.json" 2>/dev/null
-  fi;;
+  pids=(); for e in "${exports[@]}"; do
+    python3 -m train.eval --export "$e" "${ev[@]}" > "$e.eval.log" 2>&1 & pids+=($!)
+  done
+  for i in "${!exports[@]}"; do
+    wait "${pids[$i]}"; e=${exports[$i]}; n=$(basename "$e")
+    echo "== $n"; tail -n 1 "$e.eval.log" | cut -c1-1500; cp "$e/eval.json" "$out/eval-$n.json" 2>/dev/null
+  done;;
 pack) pack;;
 *) echo "stage must be formats, extract, valstore, train, eval, peers or pack" >&2; exit 2;;
 esac
