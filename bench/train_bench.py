@@ -183,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
                     "context to FlexAttention's tile on a GPU, 1 never pads")
     ap.add_argument("--split-blocks", action="store_true", help="as --split-blocks in train")
     ap.add_argument("--markov-rank", type=int, default=0, help="as --markov-rank in train (its head's teacher-forced "
-                    "bias joins the loss; the loss backward then recomputes its chunks)")
+                    "bias joins the loss: its W2 gradient keeps each chunk's logit gradient under --loss-backward fused)")
     ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
     return ap
 

@@ -112,27 +112,40 @@ def _compiled_head_grad():
 
 class _FusedHeadLoss(torch.autograd.Function):
     """Chunked lm_head + per-row loss whose backward needs no logits. The lm_head is frozen, so the
-    only gradient is the one with respect to the rows; each chunk forms it in the forward pass,
-    right after its softmax (d row loss / d logits: _head_grad), and keeps
-    only that [c, H] result. Same FLOPs as keeping the logits, memory of one chunk, no recomputed
-    matmul. The rows' loss weights are applied by autograd afterwards (backward scales each row's
-    gradient by its weight), so weights built from this very forward's hits cost nothing extra."""
+    gradient with respect to the rows is the one it needs; each chunk forms it in the forward pass,
+    right after its softmax (d row loss / d logits: _head_grad), and keeps only that [c, H] result.
+    Same FLOPs as keeping the logits, memory of one chunk, no recomputed matmul. The rows' loss
+    weights are applied by autograd afterwards (backward scales each row's gradient by its weight),
+    so weights built from this very forward's hits cost nothing extra.
+
+    With a Markov head (bias_rows [n, r] against bias_head [V, r], the trainable W2) the logits are
+    [rows | bias_rows] @ [lm_head | bias_head].T. W2's gradient, sum_i g_i d_i b_i^T, needs each
+    row's weight g_i, known only in backward: each chunk's d [c, V] is kept (the size of the
+    logits in their dtype) rather than recomputing the logits and their softmax there."""
 
     @staticmethod
     def forward(ctx, rows, lm_head, labels, teacher, kl_weight, divergence, penalty,
-                chunk, compiled):
+                chunk, compiled, bias_rows, bias_head):
         head_grad = _compiled_head_grad() if compiled else _head_grad
-        losses, grads, hits = [], [], []
+        head = bias_head is not None
+        x = torch.cat([rows, bias_rows], -1) if head else rows  # [n, H (+ r)]
+        weight = torch.cat([lm_head, bias_head], -1) if head else lm_head  # [V, H (+ r)]
+        losses, grads, hits, ds = [], [], [], []
         for i in range(0, len(rows), chunk):
             sl = slice(i, i + chunk)
             t_logits = teacher[sl] @ lm_head.T if teacher is not None else None  # [c, V]
-            part, d, hit = head_grad(rows[sl] @ lm_head.T, labels[sl], t_logits, kl_weight,
+            part, d, hit = head_grad(x[sl] @ weight.T, labels[sl], t_logits, kl_weight,
                                      divergence, penalty)
             losses.append(part)
-            # [c, H]; d has the logits' (= lm_head's) dtype
-            grads.append((d @ lm_head).to(rows.dtype))
+            # [c, H (+ r)]; d has the logits' (= lm_head's) dtype
+            grads.append((d @ weight).to(x.dtype))
             hits.append(hit)
-        ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(rows))
+            if head:
+                ds.append(d)
+        ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(x),
+                              *((torch.cat(ds) if ds else x.new_zeros(0, len(weight)), bias_rows)
+                                if head else ()))
+        ctx.chunk, ctx.h = chunk, rows.shape[1]
         loss = torch.cat(losses) if losses else rows.new_zeros(0, dtype=torch.float32)
         hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=rows.device)
         ctx.mark_non_differentiable(hit)
@@ -140,16 +153,33 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_hit):
-        (grad,) = ctx.saved_tensors
-        return grad * g_loss[:, None].to(grad.dtype), None, None, None, None, None, None, None, None
+        grad, *head = ctx.saved_tensors
+        gx = grad * g_loss[:, None].to(grad.dtype)  # [n, H (+ r)]
+        g_rows, g_bias, g_w2 = gx[:, :ctx.h], None, None
+        if head:
+            d, bias_rows = head
+            g_bias = gx[:, ctx.h:]
+            g_w2 = bias_rows.new_zeros(d.shape[1], bias_rows.shape[1], dtype=torch.float32)
+            for i in range(0, len(d), ctx.chunk):  # [V, r]: sum over the rows of g_i d_i b_i^T
+                sl = slice(i, i + ctx.chunk)
+                g_w2 += ((d[sl] * g_loss[sl, None].to(d.dtype)).T @ bias_rows[sl].to(d.dtype)).float()
+            g_w2 = g_w2.to(bias_rows.dtype)
+        return g_rows, None, None, None, None, None, None, None, None, g_bias, g_w2
 
 
-def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, backward, compiled):
-    """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks."""
+def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, backward, compiled,
+                bias=None):
+    """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks. bias: a Markov head's
+    (bias_rows [n, r], bias_head [V, r]) or None."""
     grad = torch.is_grad_enabled() and rows.requires_grad
     if grad and backward == "fused":
+        bias_rows, bias_head = bias if bias is not None else (None, None)
+        if bias is not None:
+            bias_rows, bias_head = bias_rows.to(rows.dtype), bias_head.to(lm_head.dtype)
         return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight,
-                                    divergence, penalty, chunk, compiled)
+                                    divergence, penalty, chunk, compiled, bias_rows, bias_head)
+    if bias is not None:
+        rows, lm_head, tea = _with_head(rows, lm_head, tea, *bias)
     losses, hits = [], []
     for i in range(0, len(rows), chunk):
         sl = slice(i, i + chunk)
@@ -203,7 +233,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     for `replay` (the accepted drafts per block, returned as "accepts").
 
     bias_rows [B, Q, r], bias_head [V, r]: a Markov head (train.markov_head) adds bias_rows @
-    bias_head.T to the logits; "fused" then runs as "recompute" (it makes no gradient for the head).
+    bias_head.T to the logits; "fused" then also keeps each chunk's logit gradient (the size of
+    the logits) for the head's W2 gradient in backward.
     """
     for name, value, allowed in (("backward", backward, LOSS_BACKWARDS),
                                  ("divergence", divergence, DIVERGENCES)):
@@ -220,11 +251,9 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     if kl_weight > 0 and tea is None:
         raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state "
                          "(extract with --last-hidden)")
-    if bias_rows is not None:
-        rows, lm_head, tea = _with_head(rows, lm_head, tea, bias_rows[keep], bias_head)
-        backward = "recompute" if backward == "fused" else backward
+    bias = (bias_rows[keep], bias_head) if bias_rows is not None else None
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence,
-                                confidence_penalty, chunk, backward, compiled)
+                                confidence_penalty, chunk, backward, compiled, bias)
     hit = hit & in_vocab
     loss, wsum, dense = _weighted_mean(row_loss, hit, keep, in_vocab, weighting or Weighting(),
                                        anchors, spans, block_size=block_size, gamma=gamma,

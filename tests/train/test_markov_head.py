@@ -13,10 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.train.test_draft_tree import _oracle_markov
 from train.anchors import IGNORE, previous_tokens
 from train.export import as_whole_head, export_config, hf_drafter
-from train.losses import draft_loss
+from train.losses import Weighting, draft_loss
 from train.markov_head import MarkovHead, markov_chain
 from train.model import DFlashDrafter, DrafterConfig
 from train.replay import tree_accepts
+from train.vocab import OUT_OF_VOCAB
 
 
 def test_previous_tokens_are_the_anchor_then_each_slots_label():
@@ -78,6 +79,38 @@ def test_the_loss_with_the_head_equals_the_loop_and_trains_both_factors(backward
     for got, ref in zip(got_grads, [hidden.grad, head.markov_w1.weight.grad, head.markov_w2.weight.grad]):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
     assert head.markov_w2.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("position", ["decay", "reach"])
+def test_the_fused_backward_gives_the_heads_gradients_of_the_recomputed_one(position):
+    """The fused path keeps each chunk's logit gradient for W2 instead of rebuilding the logits:
+    with a KL teacher, labels outside a draft vocabulary and weights built from the step's own
+    hits (reach), every gradient equals the checkpointed path's."""
+    g = torch.Generator().manual_seed(3)
+    b, bs, n, h, v, r = 2, 4, 5, 8, 20, 3
+    q = n * bs
+    hidden0 = torch.randn(b, q, h, generator=g)
+    teacher = torch.randn(b, q, h, generator=g)
+    lm_head = torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (b, q), generator=g)
+    labels.view(b, n, bs)[..., 0] = IGNORE
+    labels[0, 5] = OUT_OF_VOCAB
+    prev = previous_tokens(torch.randint(0, v, (b, q), generator=g), labels, bs)
+    head0 = _head(v, v, r, g)
+    grads = []
+    for backward in ("fused", "recompute"):
+        hidden = hidden0.clone().requires_grad_(True)
+        head = _head(v, v, r, torch.Generator())
+        head.load_state_dict(head0.state_dict())
+        out = draft_loss(hidden, labels, lm_head, block_size=bs, gamma=4.0, backward=backward,
+                         chunk=7, teacher=teacher, kl_weight=0.5, weighting=Weighting(position=position),
+                         bias_rows=head.markov_w1(prev), bias_head=head.markov_w2.weight)
+        out["loss"].backward()
+        grads.append([out["loss"].detach(), hidden.grad, head.markov_w1.weight.grad,
+                      head.markov_w2.weight.grad])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert grads[0][3].abs().sum() > 0
 
 
 def test_teacher_forced_hits_give_the_accepts_of_sequential_greedy_drafting():
