@@ -162,7 +162,8 @@ class _FusedHeadLoss(torch.autograd.Function):
             g_w2 = bias_rows.new_zeros(d.shape[1], bias_rows.shape[1], dtype=torch.float32)
             for i in range(0, len(d), ctx.chunk):  # [V, r]: sum over the rows of g_i d_i b_i^T
                 sl = slice(i, i + ctx.chunk)
-                g_w2 += ((d[sl] * g_loss[sl, None].to(d.dtype)).T @ bias_rows[sl].to(d.dtype)).float()
+                scaled = d[sl] * g_loss[sl, None].to(d.dtype)  # [c, V]
+                g_w2 += (scaled.T @ bias_rows[sl].to(d.dtype)).float()
             g_w2 = g_w2.to(bias_rows.dtype)
         return g_rows, None, None, None, None, None, None, None, None, g_bias, g_w2
 
