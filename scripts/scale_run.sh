@@ -139,7 +139,8 @@ peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_ben
   # dflash"), OURS (our run on the same store: decoded beside them in the last step), PEER_STOP (data:
   # end after its files; probe: after the probe; train: end after its training and conversion),
   # PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH (scripts/peer_wheels.sh).
-  # Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 `train` and `eval` for the same seconds.
+  # Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 TRAIN_ARGS="--schedule-seconds T" `train` (its cosine
+  # fitted to the same T seconds, as the probe fits the peer's) and `eval`.
   P=$W/peers; PS=${PEER_STORE:-/dev/shm/peers.zarr}; mkdir -p "$P"; kind=${PEER_KIND:-dspark}
   spec=(python3 -c 'import sys; from speculators.__main__ import app; sys.argv[0] = "speculators"; app()')
   if [ ! -f "$PS/zarr.json" ]; then

@@ -120,6 +120,12 @@ class TrainConfig:
     """Seconds this process may train (0 = no limit): the run stops at the last --log-every step
     whose closing held-out pass and checkpoint (timed as the longest so far) still end within it,
     and exits 0; --resume continues it (for job schedulers' time limits)."""
+    schedule_seconds: float = 0.0
+    """Fit the cosine to this many seconds of this process, compilation and held-out passes
+    included (0 = by steps): at every --log-every row the run's steps are planned anew as those
+    done plus what fits in the seconds left at the step rate so far (at most --max-steps or the
+    epochs' steps), and the run ends there with its cosine at 0. Stands for --time-limit when that
+    is 0; a resumed run fits the rest of its cosine into its own seconds."""
     token_budget: int = 8192
     """Context tokens per micro-batch (batch size x longest sample)."""
     grad_accum: int = 1
@@ -288,7 +294,8 @@ class TrainConfig:
 # content's identity instead of its path: a store moved elsewhere resumes, another at the same path
 # does not).
 RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
-               "follow_timeout", "max_steps", "time_limit", "tensorboard", "wandb", "verify_shards",
+               "follow_timeout", "max_steps", "time_limit", "schedule_seconds",
+               "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
                "val_every", "patience", "loss_chunk", "loss_backward", "grad_reduce",
                "follow", "compile", "out")

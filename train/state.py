@@ -10,7 +10,7 @@ import torch
 
 from runtime.world import any_rank
 
-__all__ = ["HeldOut", "TrainState", "any_rank_past"]
+__all__ = ["HeldOut", "ScheduleClock", "TrainState", "any_rank_past"]
 
 STOPS = ("", "steps", "time limit", "patience", "signal")
 
@@ -21,7 +21,8 @@ class TrainState:
 
     A checkpoint saves (epoch, in_epoch): a resumed run starts that epoch at that step. The stop
     reason is set by the loop (its last step, --time-limit, --patience, SIGTERM or SIGINT) and read
-    by `fit`'s summary; the learning-rate schedule's length never changes with it.
+    by `fit`'s summary; the learning-rate schedule's length never changes with it (with
+    --schedule-seconds the planned steps do: ScheduleClock).
     """
 
     step: int = 0
@@ -56,6 +57,26 @@ class HeldOut:
             self.best, self.stale = score, 0
             return True
         return False
+
+
+@dataclass
+class ScheduleClock:
+    """--schedule-seconds: the step rate a run's steps are planned from. `cap`: the steps by
+    --max-steps or the epochs; `mark`: (time, step, paused seconds) at the first metrics row, whose
+    steps held the compilation; `paused`: the held-out passes' and checkpoints' seconds so far."""
+
+    cap: int
+    mark: tuple[float, int, float] | None = None
+    paused: float = 0.0
+
+    def step_seconds(self, now: float, step: int) -> float | None:
+        """Seconds a training step has taken since the mark, pauses left out; None at the first
+        row (which sets the mark) and until a step after it."""
+        if self.mark is None:
+            self.mark = (now, step, self.paused)
+            return None
+        t0, s0, p0 = self.mark
+        return (now - t0 - (self.paused - p0)) / (step - s0) if step > s0 else None
 
 
 def any_rank_past(deadline: float, device: torch.device, world: int) -> bool:

@@ -28,8 +28,8 @@ from train.masks import (
 from train.model import DFlashDrafter
 from train.replay import decode_visits, replay_counts, tree_accepts
 
-__all__ = ["LossSettings", "StepStats", "evaluate_holdout", "forward_backward", "forward_loss",
-           "lr_lambda", "make_optimizer"]
+__all__ = ["LossSettings", "StepStats", "evaluate_holdout", "fitted_steps", "forward_backward",
+           "forward_loss", "lr_lambda", "make_optimizer"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,6 +218,25 @@ def lr_lambda(total: int, warmup: float):
             return (step + 1) / w
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
     return f
+
+
+def fitted_steps(step: int, seconds_left: float, step_s: float, *, pause_s: float = 0.0,
+                 pause_every: int = 0, cap: int) -> int:
+    """The steps a run can plan when `seconds_left` remain after `step` (--schedule-seconds): those
+    done plus the most r that fit, at `step_s` a step and a held-out pass of `pause_s` after every
+    multiple of `pause_every` (0: none) reached, capped by `cap`; never fewer than `step`."""
+    if step_s <= 0:
+        raise ValueError(f"a step takes a positive time, got {step_s}")
+
+    def cost(r: int) -> float:  # seconds of the next r steps and the passes they reach
+        passes = (step + r) // pause_every - step // pause_every if pause_every else 0
+        return r * step_s + passes * pause_s
+
+    lo, hi = 0, max(0, cap - step)  # the largest r in [lo, hi] with cost(r) <= seconds_left
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= seconds_left else (lo, mid - 1)
+    return max(step, min(cap, step + lo))
 
 
 class _Reduced(dict):

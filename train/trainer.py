@@ -45,8 +45,15 @@ from train.start import (
     open_val_store,
     run_record,
 )
-from train.state import HeldOut, TrainState, any_rank_past
-from train.step import StepStats, evaluate_holdout, forward_backward, lr_lambda, make_optimizer
+from train.state import HeldOut, ScheduleClock, TrainState, any_rank_past
+from train.step import (
+    StepStats,
+    evaluate_holdout,
+    fitted_steps,
+    forward_backward,
+    lr_lambda,
+    make_optimizer,
+)
 
 __all__ = ["Trainer", "train"]
 
@@ -86,7 +93,12 @@ class Trainer:
         # refuses a store too small for one step, with --max-steps too
         per_epoch = self.data.steps_per_epoch()
         self.total = cfg.max_steps or max(1, per_epoch * cfg.epochs)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.total, cfg.warmup))
+        self.clock = ScheduleClock(cap=self.total)  # --schedule-seconds plans self.total anew
+
+        def lr_at(step: int) -> float:  # the cosine over the steps planned now
+            return lr_lambda(self.total, cfg.warmup)(step)
+
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_at)
         self.record = run_record(cfg, self.dc, self.data.reader.manifest, self.layer_ids,
                                  total_steps=self.total, draft_vocab_coverage=coverage)
         self.loss = loss_settings(cfg, self.device, self.dc)
@@ -196,6 +208,24 @@ class Trainer:
                              "gradient norm that is NaN or inf); nothing after it was saved. Lower "
                              "--lr or --clip, or resume from an earlier checkpoint")
 
+    def plan_steps(self) -> None:
+        """--schedule-seconds: the run's steps planned anew (train.step.fitted_steps) from the step
+        rate since the first row and the longest pause so far; every rank plans alike from the
+        slowest rank's figures."""
+        now = time.time()
+        step_s = self.clock.step_seconds(now, self.step)
+        if step_s is None:
+            return
+        fig = torch.tensor([now - self.t_start, step_s], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(fig, op=dist.ReduceOp.MAX)
+        elapsed, step_s = fig.tolist()
+        every = self.cfg.val_every if self.held_out.ds is not None else 0
+        left = self.cfg.schedule_seconds - elapsed - self.closing_s
+        self.total = fitted_steps(self.step, left, max(step_s, 1e-9), pause_s=self.closing_s,
+                                  pause_every=every, cap=self.clock.cap)
+        self.bar.total = self.total
+
     def log_row(self, epoch: int) -> None:
         """One metrics row over the steps since the last one (all ranks take part)."""
         self.check_finite()
@@ -205,7 +235,8 @@ class Trainer:
         row = {"step": self.step, "epoch": epoch, "loss": float(s["loss"] / s["weight"]),
                "lr": self.sched.get_last_lr()[0], "acc": acc, "sim_tau": acceptance_from_acc(acc),
                "positions_per_s": float(s["positions"]) / dt,
-               "data_wait_frac": float(s["wait"]) / self.world_size / dt}
+               "data_wait_frac": float(s["wait"]) / self.world_size / dt,
+               **({"planned_steps": self.total} if self.cfg.schedule_seconds else {})}
         self.log.write(row)
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}")
         self.stats.reset()
@@ -266,11 +297,14 @@ class Trainer:
             self.train_step(batches)
             self.bar.update(1)
             if self.step % cfg.log_every == 0 or self.step == self.total:
+                if cfg.schedule_seconds:
+                    self.plan_steps()
                 self.log_row(epoch)
                 # the closing held-out pass and checkpoint must fit in the limit too: stop that much
                 # early
-                deadline = self.t_start + cfg.time_limit - self.closing_s
-                if (cfg.time_limit and self.step < self.total
+                limit = cfg.time_limit or cfg.schedule_seconds
+                deadline = self.t_start + limit - self.closing_s
+                if (limit and self.step < self.total
                         and any_rank_past(deadline, self.device, self.world_size)):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
                 if any_rank(self.preempt.requested(), self.device, self.world_size):
@@ -287,6 +321,7 @@ class Trainer:
                 self.save()
             paused = time.time() - t_pause
             self.stats.pause(paused)  # a row rates training steps, not validation or saving
+            self.clock.paused += paused
             # the longest held-out pass + checkpoint so far
             self.closing_s = max(self.closing_s, paused)
             if self.step >= self.total:

@@ -8,7 +8,7 @@ import torch
 from train.anchors import build_blocks, sample_anchors
 from train.masks import FLEX_TILE, block_tiles
 from train.model import DFlashDrafter, DrafterConfig
-from train.step import LossSettings, forward_backward
+from train.step import LossSettings, fitted_steps, forward_backward
 
 DC = DrafterConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    vocab_size=300, num_taps=3, block_size=8, mask_token_id=299)
@@ -90,3 +90,29 @@ def test_train_context_tile_maps_onto_the_loss_and_refuses_a_negative_tile(tmp_p
     assert loss_settings(TrainConfig(**base, context_tile=0), torch.device("cpu"), DC).context_tile == 0
     with pytest.raises(ValueError, match="context_tile must be >= 0"):
         TrainConfig(**base, context_tile=-1)
+
+
+def _fitted_by_loop(step, left, step_s, pause_s, every, cap):
+    """The oracle: take steps one by one, a pass after each multiple of `every`, while they fit."""
+    spent, s = 0.0, step
+    while s < cap:
+        cost = step_s + (pause_s if every and (s + 1) % every == 0 else 0.0)
+        if spent + cost > left + 1e-9:
+            break
+        spent, s = spent + cost, s + 1
+    return s
+
+
+def test_fitted_steps_are_the_most_that_fit_as_a_loop_counts_them():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        step = int(torch.randint(0, 50, (), generator=g))
+        every = int(torch.randint(0, 7, (), generator=g))
+        cap = step + int(torch.randint(0, 120, (), generator=g))
+        step_s = 0.05 + float(torch.rand((), generator=g))
+        pause_s = 3 * float(torch.rand((), generator=g))
+        left = 60 * float(torch.rand((), generator=g)) - 5  # sometimes none left
+        got = fitted_steps(step, left, step_s, pause_s=pause_s, pause_every=every, cap=cap)
+        assert got == _fitted_by_loop(step, left, step_s, pause_s, every, cap), (step, left, every, cap)
+    with pytest.raises(ValueError, match="positive"):
+        fitted_steps(0, 10.0, 0.0, cap=5)

@@ -293,3 +293,30 @@ def test_follow_mode_trains_from_object_storage_while_stage_one_mirrors(tmp_path
     assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
 
 
+
+
+def test_schedule_seconds_fit_the_cosine_to_the_seconds_and_end_it_there(store, tmp_path, monkeypatch):
+    # a clock that moves only in training steps, 1 s each: the first row (step 5, its steps hold the
+    # compilation) marks the rate, the second (step 10) plans 10 + (60 - 10) / 1 = 60 steps of the 1,000
+    # --max-steps allows; the run ends there with the cosine at 0, well before the time limit
+    import types
+
+    import train.state as state
+    import train.trainer as trainer
+
+    now = [1000.0]
+    fake = types.SimpleNamespace(time=lambda: now[0], sleep=lambda s: None)
+    monkeypatch.setattr(trainer, "time", fake)
+    monkeypatch.setattr(state, "time", fake)
+    step = trainer.forward_backward
+
+    def timed(*args, **kwargs):
+        now[0] += 1.0
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "forward_backward", timed)
+    res = train(train_cfg(store, tmp_path / "s", max_steps=1000, schedule_seconds=60))
+    rows = [r for r in metric_rows(tmp_path / "s") if "loss" in r]
+    assert res["steps"] == 60 and not res["stopped_by_time"]
+    assert [r.get("planned_steps") for r in rows[:3]] == [1000, 60, 60]
+    assert rows[-1]["step"] == 60 and rows[-1]["lr"] < 1e-6 < rows[-2]["lr"]
