@@ -120,3 +120,31 @@ def kill_after(run, step: int) -> None:
     for ck in (Path(run) / "checkpoints").glob("step-*"):
         if int(ck.name[5:]) > step:
             shutil.rmtree(ck)
+
+
+def trainer_clock(monkeypatch, *, tick: float = 0.0, slow: str = "", cost: float = 0.0) -> list[float]:
+    """A fake clock for train.trainer and train.state: each reading moves it `tick` seconds, each call
+    of train.trainer's function `slow` (e.g. evaluate_holdout) `cost` seconds; returns [now]."""
+    import types
+
+    import train.state as state
+    import train.trainer as trainer
+
+    now = [1000.0]
+
+    def clock():
+        now[0] += tick
+        return now[0]
+
+    fake = types.SimpleNamespace(time=clock, sleep=lambda s: None)
+    monkeypatch.setattr(trainer, "time", fake)
+    monkeypatch.setattr(state, "time", fake)
+    if slow:
+        real = getattr(trainer, slow)
+
+        def costly(*args, **kwargs):
+            now[0] += cost
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(trainer, slow, costly)
+    return now

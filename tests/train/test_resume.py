@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import kill_after, metric_rows, train_cfg
+from tests.helpers import kill_after, metric_rows, train_cfg, trainer_clock
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from train.trainer import Trainer, train
@@ -174,27 +174,10 @@ def test_time_limit_keeps_room_for_the_closing_held_out_pass(store, tmp_path, mo
     # a clock that moves 0.01 s a reading and 100 s a held-out pass: with a 150 s limit, the pass at
     # step 3 leaves 50 s, too little for another pass, so the run stops at its next row (step 5), not at
     # step 10 (past the limit only after a second pass)
-    import types
-
-    import train.state as state
     import train.trainer as trainer
 
-    now = [1000.0]
-
-    def clock():
-        now[0] += 0.01
-        return now[0]
-
-    fake = types.SimpleNamespace(time=clock, sleep=lambda s: None)
-    monkeypatch.setattr(trainer, "time", fake)
-    monkeypatch.setattr(state, "time", fake)
     scored = trainer.evaluate_holdout
-
-    def slow(*args, **kwargs):
-        now[0] += 100.0
-        return scored(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "evaluate_holdout", slow)
+    trainer_clock(monkeypatch, tick=0.01, slow="evaluate_holdout", cost=100.0)
     res = train(train_cfg(store, tmp_path / "t", max_steps=20, time_limit=150, val_samples=4, val_every=3))
     assert res["stopped_by_time"] and res["steps"] == 5
     monkeypatch.setattr(trainer, "evaluate_holdout", scored)  # no pass slower than the limit's room

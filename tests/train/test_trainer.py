@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import kill_after, metric_rows, train_cfg
+from tests.helpers import kill_after, metric_rows, train_cfg, trainer_clock
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
 from train.trainer import train
@@ -299,22 +299,7 @@ def test_schedule_seconds_fit_the_cosine_to_the_seconds_and_end_it_there(store, 
     # a clock that moves only in training steps, 1 s each: the first row (step 5, its steps hold the
     # compilation) marks the rate, the second (step 10) plans 10 + (60 - 10) / 1 = 60 steps of the 1,000
     # --max-steps allows; the run ends there with the cosine at 0, well before the time limit
-    import types
-
-    import train.state as state
-    import train.trainer as trainer
-
-    now = [1000.0]
-    fake = types.SimpleNamespace(time=lambda: now[0], sleep=lambda s: None)
-    monkeypatch.setattr(trainer, "time", fake)
-    monkeypatch.setattr(state, "time", fake)
-    step = trainer.forward_backward
-
-    def timed(*args, **kwargs):
-        now[0] += 1.0
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer, "forward_backward", timed)
+    trainer_clock(monkeypatch, slow="forward_backward", cost=1.0)
     res = train(train_cfg(store, tmp_path / "s", max_steps=1000, schedule_seconds=60))
     rows = [r for r in metric_rows(tmp_path / "s") if "loss" in r]
     assert res["steps"] == 60 and not res["stopped_by_time"]
