@@ -200,8 +200,9 @@ class TrainConfig:
     """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
     loss_backward: str = "fused"
     """How the lm_head chunks get their gradients: fused (formed in the forward pass; no logits
-    kept, no extra matmul), recompute (checkpointed: logits rebuilt in backward, one more lm_head
-    matmul), keep (every chunk's logits stay alive until backward)."""
+    kept, no extra matmul; with --markov-rank it keeps every chunk's logit gradient for the head's
+    W2, the size of all rows' logits), recompute (checkpointed: logits rebuilt in backward, one more
+    lm_head matmul, one chunk's memory), keep (every chunk's logits stay alive until backward)."""
     grad_reduce: str = "fp32"
     """dtype of DDP's gradient all-reduce: fp32, or bf16 (half the bytes on the wire; gradients are
     rounded to bf16 and summed in bf16). One rank: no effect."""
