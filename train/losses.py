@@ -146,6 +146,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                               *((torch.cat(ds) if ds else x.new_zeros(0, len(weight)), bias_rows)
                                 if head else ()))
         ctx.chunk, ctx.h = chunk, rows.shape[1]
+        ctx.w2_dtype = bias_head.dtype if head else None
         loss = torch.cat(losses) if losses else rows.new_zeros(0, dtype=torch.float32)
         hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=rows.device)
         ctx.mark_non_differentiable(hit)
@@ -164,7 +165,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                 sl = slice(i, i + ctx.chunk)
                 scaled = d[sl] * g_loss[sl, None].to(d.dtype)  # [c, V]
                 g_w2 += (scaled.T @ bias_rows[sl].to(d.dtype)).float()
-            g_w2 = g_w2.to(bias_rows.dtype)
+            g_w2 = g_w2.to(ctx.w2_dtype)
         return g_rows, None, None, None, None, None, None, None, None, g_bias, g_w2
 
 
