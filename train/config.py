@@ -124,8 +124,10 @@ class TrainConfig:
     """Fit the cosine to this many seconds of this process, compilation and held-out passes
     included (0 = by steps): at every --log-every row the run's steps are planned anew as those
     done plus what fits in the seconds left at the step rate so far (at most --max-steps or the
-    epochs' steps), and the run ends there with its cosine at 0. Stands for --time-limit when that
-    is 0; a resumed run fits the rest of its cosine into its own seconds."""
+    epochs' steps), and the run ends there with its cosine at 0. Until the second row (the first
+    one's steps hold the compilation) the schedule is that cap's: set --max-steps near the steps
+    expected. Stands for --time-limit when that is 0; a resumed run fits the rest of its cosine
+    into its own seconds."""
     token_budget: int = 8192
     """Context tokens per micro-batch (batch size x longest sample)."""
     grad_accum: int = 1
