@@ -130,7 +130,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         head = bias_head is not None
         x = torch.cat([rows, bias_rows], -1) if head else rows  # [n, H (+ r)]
         weight = torch.cat([lm_head, bias_head], -1) if head else lm_head  # [V, H (+ r)]
-        losses, grads, hits, ds = [], [], [], []
+        losses, grads, hits, ds = [], [], [], []  # ds: the head's per-chunk d, kept for backward
         for i in range(0, len(rows), chunk):
             sl = slice(i, i + chunk)
             t_logits = teacher[sl] @ lm_head.T if teacher is not None else None  # [c, V]
@@ -142,10 +142,10 @@ class _FusedHeadLoss(torch.autograd.Function):
             hits.append(hit)
             if head:
                 ds.append(d)
+        # the chunks' d stay apart: backward reads them a chunk at a time, so no [n, V] copy
         ctx.save_for_backward(torch.cat(grads) if grads else torch.zeros_like(x),
-                              *((torch.cat(ds) if ds else x.new_zeros(0, len(weight)), bias_rows)
-                                if head else ()))
-        ctx.chunk, ctx.h = chunk, rows.shape[1]
+                              *((bias_rows, *ds) if head else ()))
+        ctx.chunk, ctx.h, ctx.vocab = chunk, rows.shape[1], len(weight)
         ctx.w2_dtype = bias_head.dtype if head else None
         loss = torch.cat(losses) if losses else rows.new_zeros(0, dtype=torch.float32)
         hit = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=rows.device)
@@ -157,13 +157,14 @@ class _FusedHeadLoss(torch.autograd.Function):
         grad, *head = ctx.saved_tensors
         gx = grad * g_loss[:, None].to(grad.dtype)  # [n, H (+ r)]
         g_rows, g_bias, g_w2 = gx[:, :ctx.h], None, None
-        if head:
-            d, bias_rows = head
+        if ctx.w2_dtype is not None:
+            bias_rows, *ds = head
             g_bias = gx[:, ctx.h:]
-            g_w2 = bias_rows.new_zeros(d.shape[1], bias_rows.shape[1], dtype=torch.float32)
-            for i in range(0, len(d), ctx.chunk):  # [V, r]: sum over the rows of g_i d_i b_i^T
+            # [V, r]: the sum over the rows of g_i d_i b_i^T, a chunk at a time
+            g_w2 = bias_rows.new_zeros(ctx.vocab, bias_rows.shape[1], dtype=torch.float32)
+            for i, d in zip(range(0, len(bias_rows), ctx.chunk), ds):
                 sl = slice(i, i + ctx.chunk)
-                scaled = d[sl] * g_loss[sl, None].to(d.dtype)  # [c, V]
+                scaled = d * g_loss[sl, None].to(d.dtype)  # [c, V]
                 g_w2 += (scaled.T @ bias_rows[sl].to(d.dtype)).float()
             g_w2 = g_w2.to(ctx.w2_dtype)
         return g_rows, None, None, None, None, None, None, None, None, g_bias, g_w2
@@ -174,12 +175,11 @@ def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, 
     """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks. bias: a Markov head's
     (bias_rows [n, r], bias_head [V, r]) or None."""
     grad = torch.is_grad_enabled() and rows.requires_grad
+    if bias is not None:  # the head's factors in the dtypes of the rows and lm_head they join
+        bias = bias[0].to(rows.dtype), bias[1].to(lm_head.dtype)
     if grad and backward == "fused":
-        bias_rows, bias_head = bias if bias is not None else (None, None)
-        if bias is not None:
-            bias_rows, bias_head = bias_rows.to(rows.dtype), bias_head.to(lm_head.dtype)
         return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight,
-                                    divergence, penalty, chunk, compiled, bias_rows, bias_head)
+                                    divergence, penalty, chunk, compiled, *(bias or (None, None)))
     if bias is not None:
         rows, lm_head, tea = _with_head(rows, lm_head, tea, *bias)
     losses, hits = [], []
@@ -203,8 +203,8 @@ def _with_head(rows, lm_head, tea, bias_rows, bias_head):
     """A Markov head as a wider matmul: [rows | previous token's embedding] [n, H + r] against
     [lm_head | W2] [V, H + r] gives the drafter's logits plus the head's bias in one product per
     chunk; the teacher's rows get zeros (its logits have no head)."""
-    rows = torch.cat([rows, bias_rows.to(rows.dtype)], -1)
-    lm_head = torch.cat([lm_head, bias_head.to(lm_head.dtype)], -1)
+    rows = torch.cat([rows, bias_rows], -1)
+    lm_head = torch.cat([lm_head, bias_head], -1)
     return rows, lm_head, F.pad(tea, (0, bias_head.shape[1])) if tea is not None else None
 
 
