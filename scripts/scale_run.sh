@@ -136,7 +136,8 @@ peers)  # speculators 0.9.0's drafter beside ours on one subset (bench/peers_ben
   # PEER_STEPS and PEER_EPOCHS (its cosine and the epochs that hold it; default: what a probe of PEER_PROBE
   # steps, default 120, says fits PEER_TLIM: `bench peers plan`), PEER_ARGS (more of its train options, e.g.
   # --max-anchors 2048), PEER_EVAL (the kinds the last step decodes, default PEER_KIND, e.g. "dspark
-  # dflash"), OURS (our run on the same store: decoded beside them in the last step), PEER_STOP (data:
+  # dflash"), OURS (our runs on the same store, e.g. "/root/w/ours /root/w/plain": decoded beside them
+  # in the last step, each from its export x-NAME), PEER_STOP (data:
   # end after its files; probe: after the probe; train: end after its training and conversion),
   # PEER_CONVERT_ARGS (e.g. --draft-head); its wheels on PYTHONPATH (scripts/peer_wheels.sh).
   # Ours: STORE=$PEER_STORE RUN=$W/ours VAL=400 TRAIN_ARGS="--schedule-seconds T" `train` (its cosine
@@ -191,16 +192,16 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
     ${PEER_CONVERT_ARGS:-} > /dev/null || exit 1
   cp "$P/e-$kind/config.json" "$out/peer_${kind}_export_config.json" 2>/dev/null
   [ "${PEER_STOP:-}" = train ] && exit 0
-  # each export of PEER_EVAL and OURS=RUN (ours trained on the same store) decoded at the same time, one
+  # each export of PEER_EVAL and of OURS (ours trained on the same store) decoded at the same time, one
   # process each on the one GPU; their τ are figures, their speedups are not (they share the card)
   ev=(--limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 ${EVAL_ARGS:---no-prompt-lookup --tree-budget 0,512}
     --json "${TARGET[@]}")
   exports=(); for k in ${PEER_EVAL:-$kind}; do exports+=("$P/e-$k"); done
-  if [ -n "${OURS:-}" ]; then
+  for r in ${OURS:-}; do  # each of our runs exported beside its peers: x-<its directory's name>
     # shellcheck disable=SC2086
-    python3 -m train.export --run "$OURS" --out "$W/ours_export" --overwrite ${EXPORT_ARGS:-} > /dev/null || exit 1
-    exports+=("$W/ours_export")
-  fi
+    python3 -m train.export --run "$r" --out "$W/x-$(basename "$r")" --overwrite ${EXPORT_ARGS:-} > /dev/null || exit 1
+    exports+=("$W/x-$(basename "$r")")
+  done
   pids=(); for e in "${exports[@]}"; do
     python3 -m train.eval --export "$e" "${ev[@]}" > "$e.eval.log" 2>&1 & pids+=($!)
   done
