@@ -22,6 +22,9 @@ GRAD_REDUCES = ("fp32", "bf16")
 POSITION_WEIGHTS = ("decay", "reach")
 # The soft-label term of --loss kl and mix (train.losses): forward KL, or total variation.
 DIVERGENCES = ("kl", "tv")
+# torch.compile modes for the drafter layers (train.model.DFlashDraftModel.compile_layers); CUDA
+# graphs are left out: the layers' shapes change with every batch's context length.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -198,6 +201,10 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient
     (GPU)."""
+    compile_mode: str = "default"
+    """The drafter layers' torch.compile mode: default, or max-autotune-no-cudagraphs (inductor
+    times its candidate kernels, FlexAttention's tile sizes among them, for each new shape: a
+    longer first compile for a possibly faster step; bench train --compile-mode compares them)."""
     loss_chunk: int = 2048
     """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
     loss_backward: str = "fused"
@@ -245,6 +252,8 @@ class TrainConfig:
         if self.token_budget < 16 or self.grad_accum < 1 or self.log_every < 1:
             raise ValueError("token_budget >= 16, grad_accum >= 1, log_every >= 1")
         self._check_choices()
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"compile_mode {self.compile_mode} needs --compile")
         for flag, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
             if getattr(self, flag) and importlib.util.find_spec(module) is None:
                 raise ValueError(f"--{flag} needs the {module} package: pip install {module}")
@@ -272,7 +281,8 @@ class TrainConfig:
                               ("position_weights", POSITION_WEIGHTS),
                               ("loss_backward", LOSS_BACKWARDS), ("grad_reduce", GRAD_REDUCES),
                               ("verify_shards", ("auto", "on", "off")),
-                              ("attention", ("auto", "flex", "sdpa"))):
+                              ("attention", ("auto", "flex", "sdpa")),
+                              ("compile_mode", COMPILE_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {tuple(allowed)}, got "
                                  f"{getattr(self, name)!r}")
@@ -301,4 +311,4 @@ RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
                "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
                "val_every", "patience", "loss_chunk", "loss_backward", "grad_reduce",
-               "follow", "compile", "out")
+               "follow", "compile", "compile_mode", "out")

@@ -152,13 +152,14 @@ class DFlashDrafter(nn.Module):
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
             nn.init.zeros_(self.markov_head.markov_w2.weight)
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, mode: str = "default") -> None:
         """torch.compile each layer in place: fuses the norms, RoPE and SwiGLU around the matmuls.
 
-        Shapes vary per batch (context length, anchors), hence dynamic shapes.
+        Shapes vary per batch (context length, anchors), hence dynamic shapes. `mode`: a
+        torch.compile mode (train.config.COMPILE_MODES).
         """
         for layer in self.layers:
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, mode=mode)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [B, T, K*H] -> fused context [B, T, H]."""

@@ -19,8 +19,10 @@ def _batch(dc: DrafterConfig, g: torch.Generator) -> dict[str, torch.Tensor]:
     return {k: v.cuda() for k, v in out.items()}
 
 
-@pytest.mark.parametrize(("compiled", "split"), [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(("compiled", "split"), [(False, False), (True, False), (False, True), (True, True),
+                                               ("max-autotune-no-cudagraphs", False)])
 def test_flex_attention_step_equals_dense_step(compiled, split):
+    # compiled: False, True (the default mode) or a --compile-mode
     g = torch.Generator().manual_seed(0)
     dc = DrafterConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                        vocab_size=500, num_taps=3, block_size=8, mask_token_id=499)
@@ -31,7 +33,7 @@ def test_flex_attention_step_equals_dense_step(compiled, split):
         torch.manual_seed(0)
         model = DFlashDrafter(dc, emb, head).cuda()
         if compiled and use_flex:
-            model.compile_layers()
+            model.compile_layers(compiled if isinstance(compiled, str) else "default")
         out = forward_backward(model, batch, LossSettings(block_size=dc.block_size, gamma=4.0, use_flex=use_flex,
                                                           split_blocks=split and use_flex))
         losses.append(float(out["loss"]))

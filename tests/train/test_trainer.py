@@ -173,6 +173,20 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
 
 
+def test_compile_mode_reaches_every_drafter_layer(store, tmp_path, monkeypatch):
+    # --compile-mode is handed to each layer's torch.compile (recorded here, not compiled: the
+    # modes' kernels are a GPU matter, timed by bench train --compile-mode)
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append((type(self).__name__, kw)))
+    train(train_cfg(store, tmp_path / "m", max_steps=2, compile=True, compile_mode="max-autotune-no-cudagraphs"))
+    assert len(seen) == train_cfg(store, tmp_path / "x").num_layers
+    assert all(kw == {"dynamic": True, "mode": "max-autotune-no-cudagraphs"} for _, kw in seen), seen
+    with pytest.raises(ValueError, match="compile_mode max-autotune-no-cudagraphs needs --compile"):
+        train_cfg(store, tmp_path / "x", compile_mode="max-autotune-no-cudagraphs")
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        train_cfg(store, tmp_path / "x", compile=True, compile_mode="reduce-overhead")
+
+
 @pytest.mark.parametrize("loss,divergence,penalty", [("ce", "kl", 0.0), ("mix", "kl", 0.0), ("mix", "tv", 0.1)])
 def test_held_out_samples_are_scored_and_improve(store, tmp_path, loss, divergence, penalty):
     # mix also runs the KL and TV paths end to end: bf16 teacher states from the store, float32 on CPU;
