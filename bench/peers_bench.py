@@ -59,6 +59,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.peers_table import decode_rows, load_reports, markdown_table
 from cache_format import CacheFormatError, StoreReader
 from train.export import as_whole_head, from_export_names, write_export
 from train.model import DrafterConfig
@@ -303,6 +304,9 @@ def main() -> None:
     k = sub.add_parser("check-layout", help="load an export in speculators' layout with speculators itself")
     k.add_argument("--export", required=True, help="written by python -m train.export --layout speculators")
     k.add_argument("--verifier", required=True, help="the target as an HF directory")
+    t = sub.add_parser("table", help="one markdown table of train.eval reports: τ per domain, chain and trees")
+    t.add_argument("--eval", action="append", required=True, metavar="NAME=PATH",
+                   help="a drafter's name and its eval.json (train.eval --json); repeat for each")
     a = ap.parse_args()
     try:
         if a.do == "rows":
@@ -311,6 +315,8 @@ def main() -> None:
             print(json.dumps(write_peer_hidden(a.store, a.data, prepared_order(a.data), procs=a.procs)))
         elif a.do == "plan":
             print(json.dumps(probe_plan(Path(a.log).read_text(errors="replace").replace("\r", "\n"), a.seconds)))
+        elif a.do == "table":
+            print(markdown_table(*decode_rows(load_reports(a.eval))))
         elif a.do == "check-layout":
             print(json.dumps(check_speculators_load(a.export, a.verifier)))
         else:

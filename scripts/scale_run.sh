@@ -205,10 +205,13 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
   pids=(); for e in "${exports[@]}"; do
     python3 -m train.eval --export "$e" "${ev[@]}" > "$e.eval.log" 2>&1 & pids+=($!)
   done
-  for i in "${!exports[@]}"; do
+  pairs=(); for i in "${!exports[@]}"; do
     wait "${pids[$i]}"; e=${exports[$i]}; n=$(basename "$e")
     echo "== $n"; tail -n 1 "$e.eval.log" | cut -c1-1500; cp "$e/eval.json" "$out/eval-$n.json" 2>/dev/null
-  done;;
+    [ -f "$e/eval.json" ] && pairs+=(--eval "$n=$e/eval.json")
+  done
+  # the one table: τ per domain of every drafter, chain and trees (bench/peers_table.py)
+  [ ${#pairs[@]} -gt 0 ] && python3 -m bench peers table "${pairs[@]}" | tee "$out/peers_table.md";;
 pack) pack;;
 *) echo "stage must be formats, extract, valstore, train, eval, peers or pack" >&2; exit 2;;
 esac
