@@ -31,6 +31,7 @@ SUITES = {
     "regen": ("bench.regen_bench", "regeneration engines side by side (static, HF generate, continuous batching)"),
     "openai": ("bench.openai_bench", "the openai engine against a local `transformers serve`"),
     "vocab": ("bench.vocab_bench", "a draft vocabulary's coverage of the target's greedy answers, by size (CPU)"),
+    "replay": ("bench.replay_bench", "the held-out tree replay with a Markov head: trees at every block vs the visited"),
     "tree-step": ("bench.tree_step_bench", "where a draft-tree decoding step's time goes, by node budget (GPU)"),
     "confidence": ("bench.confidence_bench", "rejected drafts by the target's own top-1 probability there, per domain"),
     "peers": ("bench.peers_bench", "speculators' drafters on our samples: its input files, its checkpoints as our exports"),

@@ -158,3 +158,12 @@ def test_suites_given_a_damaged_store_or_export_end_in_one_line(tmp_path):
         assert "Traceback" not in p.stderr and p.stdout.strip() == "", name
     assert "hidden" in runs["codec"].stderr and "hidden" in runs["layout-model"].stderr  # the damaged array
     assert str(export) in runs["tree-step"].stderr and "layers.1." in runs["tree-step"].stderr
+
+
+def test_replay_suite_times_both_paths_and_they_replay_alike():
+    p = _bench("replay", "--samples", "3", "--anchors", "40", "--hidden", "16", "--vocab", "64", "--rank", "4",
+               "--budget", "8", "--reps", "1", "--device", "cpu")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.splitlines()[-1])
+    assert res["same_tau"] and res["tau"] > 1.2 and res["visited_blocks"] < res["blocks"] == 120
+    assert res["seconds_every"] > 0 and res["seconds_visited"] > 0

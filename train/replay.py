@@ -7,11 +7,13 @@ failed. Training stores are the target's own greedy answers, so a forward with a
 response position knows each anchor's accepted length, and the path decoding would take follows
 from those lengths alone (train.acceptance.decode_chain walks the same path in a loop).
 
-Everything here is batched tensor code on the training device, with no host sync:
+Everything here is batched tensor code on the training device, with no host sync but one a round
+in `visited_tree_accepts`:
 
 - `block_accepts`: accepted drafts per block (the leading run of correct slots);
 - `tree_accepts`: accepted drafts per block when decoding verifies a draft tree (train.draft_tree)
   instead of the chain: the deepest prefix of the known continuation the block's tree holds;
+- `visited_tree_accepts`: the same at the blocks decoding visits only, found round by round;
 - `anchor_spans`: which response span (assistant turn) each anchor lies in;
 - `decode_visits`: the anchors decoding visits, by pointer doubling over "next anchor" links;
 - `replay_counts`: tokens and target forwards of that decode (val_decode_tau = tokens / forwards);
@@ -26,7 +28,7 @@ from train.draft_tree import build_tree, walk_tree
 from train.markov_head import tree_inputs
 
 __all__ = ["anchor_spans", "block_accepts", "decode_visits", "reach_weights", "replay_counts",
-           "tree_accepts", "visit_weights"]
+           "tree_accepts", "visit_weights", "visited_tree_accepts"]
 
 
 def block_accepts(hit: torch.Tensor) -> torch.Tensor:
@@ -73,6 +75,38 @@ def tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tens
         want = asked[i:i + chunk].gather(1, tree.depths)  # [c, N+1]
         out.append(walk_tree(tree, want, d)[0])
     return torch.cat(out).view(b, q // block_size) if out else labels.new_zeros(b, 0)
+
+
+@torch.no_grad()
+def visited_tree_accepts(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor,
+                         anchors: torch.Tensor, spans: torch.Tensor, *, block_size: int,
+                         roots: torch.Tensor | None = None, **tree) -> torch.Tensor:
+    """tree_accepts (same arguments, `tree` its keywords) at the anchors decoding visits, 0 at the
+    others: decode_visits and replay_counts read the same figures from it as from tree_accepts, for
+    the trees of the visited blocks alone (about one block in τ). A dependence head's trees score
+    every kept prefix's children over the whole vocabulary, which makes a tree at every block the
+    held-out pass's largest cost. anchors, spans [b, N] as decode_visits takes them.
+
+    The visits are found round by round from the span starts: each round builds the trees of the
+    current blocks only (one per span at most), and their accepted lengths link to the next
+    round's (_next_links); a host sync a round ends the loop."""
+    b, n = anchors.shape
+    blocks = lambda x: x.reshape(b, n, block_size, *x.shape[2:])  # noqa: E731  [b, N, bs, ...]
+    h, lab = blocks(hidden), blocks(labels)
+    rts = blocks(roots) if roots is not None else None
+    out = torch.zeros((b, n), dtype=torch.long, device=anchors.device)
+    cur = _span_starts(anchors, spans)  # [b, N] the blocks of this round
+    while bool(cur.any()):
+        bi, ni = cur.nonzero(as_tuple=True)  # [M]
+        # [1, M*bs, ...]: this round's blocks as one row
+        hi, li, ri = (None if x is None else x[bi, ni].reshape(1, -1, *x.shape[3:])
+                      for x in (h, lab, rts))
+        acc = tree_accepts(hi, li, lm_head, block_size=block_size, roots=ri, **tree)[0]  # [M]
+        out[bi, ni] = acc
+        nxt = _next_links(anchors, out, spans)[bi, ni]  # [M] in 0..N (N: nowhere)
+        cur = torch.zeros_like(cur)
+        cur[bi[nxt < n], nxt[nxt < n]] = True
+    return out
 
 
 def anchor_spans(loss_mask: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from train.masks import (
     flex_context_mask,
 )
 from train.model import DFlashDrafter
-from train.replay import decode_visits, replay_counts, tree_accepts
+from train.replay import decode_visits, replay_counts, tree_accepts, visited_tree_accepts
 
 __all__ = ["LossSettings", "StepStats", "evaluate_holdout", "fitted_steps", "forward_backward",
            "forward_loss", "lr_lambda", "make_optimizer"]
@@ -102,13 +102,23 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
                          anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay,
                          **head_terms)
         if tree_budgets:
-            ids = core.draft_ids if core.c.draft_vocab_size else None
-            out["tree_accepts"] = {n: tree_accepts(hidden.detach(), labels, core.lm_head,
-                                                   block_size=loss.block_size,
-                                                   budget=n, head=mh, roots=batch["block_ids"],
-                                                   draft_ids=ids)
-                                   for n in tree_budgets}
+            out["tree_accepts"] = _tree_replays(core, hidden.detach(), labels, batch,
+                                                loss.block_size, tree_budgets)
         return out
+
+
+def _tree_replays(core, hidden: torch.Tensor, labels: torch.Tensor, batch: dict[str, torch.Tensor],
+                  block_size: int, budgets: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """forward_loss's tree_accepts, budget -> [b, N]. With a dependence head only the blocks
+    decoding visits get trees (train.replay.visited_tree_accepts: its trees score each kept
+    prefix's children over the whole vocabulary); plain trees are cheap, all in one batched pass."""
+    mh = core.markov_head
+    kw = {"block_size": block_size, "head": mh, "roots": batch["block_ids"],
+          "draft_ids": core.draft_ids if core.c.draft_vocab_size else None}
+    if mh is None:
+        return {n: tree_accepts(hidden, labels, core.lm_head, budget=n, **kw) for n in budgets}
+    return {n: visited_tree_accepts(hidden, labels, core.lm_head, batch["anchors"],
+                                    batch["anchor_span"], budget=n, **kw) for n in budgets}
 
 
 def forward_backward(model, batch: dict[str, torch.Tensor], loss: LossSettings,

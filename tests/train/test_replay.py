@@ -253,3 +253,33 @@ def test_a_one_wide_tree_of_one_node_a_slot_accepts_what_the_chain_accepts():
     chain = block_accepts(hit)
     assert tree_accepts(hidden, labels, lm_head, block_size=bs, budget=bs - 1, width=1).tolist() == chain.tolist()
     assert chain.sum() > 0 and (tree_accepts(hidden, labels, lm_head, block_size=bs, budget=64) >= chain).all()
+
+
+@pytest.mark.parametrize("with_head", [False, True])
+def test_trees_at_the_visited_blocks_alone_replay_as_trees_at_every_block(with_head):
+    # the oracle: tree_accepts at every block, walked by decode_visits and counted by replay_counts
+    from train.markov_head import MarkovHead
+    from train.replay import tree_accepts, visited_tree_accepts
+
+    rng, g = random.Random(3), torch.Generator().manual_seed(3)
+    bs, h, v = 4, 6, 5
+    anchors, spans, _, _ = _random_batch(rng, 5, full=True)
+    b, n = anchors.shape
+    hidden, lm_head = torch.randn(b, n * bs, h, generator=g), torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (b, n * bs), generator=g)
+    labels.view(b, n, bs)[..., 0] = IGNORE
+    head, roots = None, None
+    if with_head:
+        head, roots = MarkovHead(v, v, 3), torch.randint(0, v, (b, n * bs), generator=g)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+    kw = {"block_size": bs, "budget": 6, "head": head, "roots": roots}
+    every = tree_accepts(hidden, labels, lm_head, **kw)
+    visited = visited_tree_accepts(hidden, labels, lm_head, anchors, spans, **kw)
+    walk = decode_visits(anchors, every, spans)
+    assert torch.equal(decode_visits(anchors, visited, spans), walk)
+    assert torch.equal(visited[walk], every[walk]) and (visited[~walk] == 0).all()
+    for window in (0, 7):
+        assert replay_counts(anchors, visited, spans, window) == replay_counts(anchors, every, spans, window)
+    assert every[walk].sum() > 0 and walk.sum() < (anchors >= 0).sum()  # accepted drafts; fewer trees
