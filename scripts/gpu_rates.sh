@@ -6,6 +6,7 @@
 #   bash scripts/gpu_rates.sh train_more # 1 GPU: the same at budget 8192, and with kept logits
 #   bash scripts/gpu_rates.sh profile    # 1 GPU: the same eager, with torch.profiler's top CUDA ops
 #   bash scripts/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
+#   bash scripts/gpu_rates.sh levers     # 1 GPU: the step's levers at the preset's shape, and bench replay
 #   bash scripts/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
 #   bash scripts/gpu_rates.sh ddp1 wait ddp2 savecache  # x2 cold, one call with TL1=300 TL2=200: the 1-GPU
 #                                      #   compiled run on GPU 0, then 2 GPUs, warm
@@ -63,6 +64,19 @@ small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs co
   SB="--shape smollm2-135m --layers 3 --samples 256 --seq 512 --steps 20 --warmup 3 --token-budget 16384 --workers 4 --store /dev/shm/sb.zarr"
   timeout 150 python3 -m bench.train_bench $SB 2>&1 | tee "$OUT/train_small_eager.log" | grep '^{'
   timeout 200 python3 -m bench.train_bench $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'
+  ;;
+levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one process a variant in turn, each
+  # a JSON line in $OUT/levers.jsonl (LEVERS: more variants, ';'-separated bench train options); then
+  # the held-out tree replay with the Markov head, trees at every block vs at the visited ones
+  LB="--shape smollm2-135m --layers 5 --block-size 8 --draft-vocab 12288 --token-budget 16384 --seq 1024 \
+    --min-seq 128 --samples 256 --steps 30 --warmup 5 --rounds 2 --compile --dtype fp8_e4m3 --workers 4 \
+    --store /dev/shm/tb.zarr --context-tile 0"
+  IFS=';' read -r -a variants <<< "${LEVERS:-;--compile-mode max-autotune-no-cudagraphs;--token-budget 32768;--markov-rank 256}"
+  for v in "${variants[@]}"; do
+    # shellcheck disable=SC2086
+    timeout 300 python3 -m bench.train_bench $LB $v 2>&1 | grep '^{' | tee -a "$OUT/levers.jsonl"
+  done
+  timeout 300 python3 -m bench replay 2>&1 | tail -n 1 | tee "$OUT/replay.json"
   ;;
 ddp)  # x2: DDP scaling of python -m train --compile (the fused loss, the default), 1 then 2 GPUs in one call;
   # each run is rated on the rows logged before its limit (on a fresh machine the compile alone takes minutes)
