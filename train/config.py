@@ -22,7 +22,7 @@ GRAD_REDUCES = ("fp32", "bf16")
 POSITION_WEIGHTS = ("decay", "reach")
 # The soft-label term of --loss kl and mix (train.losses): forward KL, or total variation.
 DIVERGENCES = ("kl", "tv")
-# torch.compile modes for the drafter layers (train.model.DFlashDraftModel.compile_layers); CUDA
+# torch.compile modes for the drafter layers (train.model.DFlashDrafter.compile_layers); CUDA
 # graphs are left out: the layers' shapes change with every batch's context length.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
