@@ -71,7 +71,7 @@ levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one pro
   LB="--shape smollm2-135m --layers 5 --block-size 8 --draft-vocab 12288 --token-budget 16384 --seq 1024 \
     --min-seq 128 --samples 256 --steps 30 --warmup 5 --rounds 2 --compile --dtype fp8_e4m3 --workers 4 \
     --store /dev/shm/tb.zarr --context-tile 0"
-  IFS=';' read -r -a variants <<< "${LEVERS:-;--compile-mode max-autotune-no-cudagraphs;--token-budget 32768;--markov-rank 256}"
+  IFS=";" read -r -a variants <<< "${LEVERS:-;--compile-mode max-autotune-no-cudagraphs;--token-budget 32768;--loss-chunk 8192;--markov-rank 256}"
   for v in "${variants[@]}"; do
     # shellcheck disable=SC2086
     timeout 300 python3 -m bench.train_bench $LB $v 2>&1 | grep '^{' | tee -a "$OUT/levers.jsonl"
