@@ -66,7 +66,7 @@ small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs co
   timeout 200 python3 -m bench.train_bench $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'
   ;;
 levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one process a variant in turn, each
-  # a JSON line in $OUT/levers.jsonl (LEVERS: more variants, ';'-separated bench train options); then
+  # a JSON line in $OUT/levers.jsonl (LEVERS: the variants instead, ';'-separated bench train options); then
   # the held-out tree replay with the Markov head, trees at every block vs at the visited ones
   LB="--shape smollm2-135m --layers 5 --block-size 8 --draft-vocab 12288 --token-budget 16384 --seq 1024 \
     --min-seq 128 --samples 256 --steps 30 --warmup 5 --rounds 2 --compile --dtype fp8_e4m3 --workers 4 \
