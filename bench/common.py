@@ -1,14 +1,19 @@
-"""What the benches share: model shapes, random-weight targets, synthetic manifests, a tiny tokenizer."""
+"""What the benches share: model shapes, random-weight targets, synthetic manifests, a tiny tokenizer,
+a synchronized timer."""
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from cache_format import DatasetInfo, Manifest, TargetInfo
 from cache_format.schema import default_rows_per_shard
 
-__all__ = ["CORPUS", "GREEK", "SHAPES", "checked_export", "checked_store", "random_target", "synthetic_manifest",
-           "tiny_target_dir", "tiny_tokenizer", "write_chats"]
+__all__ = ["CORPUS", "GREEK", "SHAPES", "checked_export", "checked_store", "random_target", "synced_times",
+           "synthetic_manifest", "tiny_target_dir", "tiny_tokenizer", "write_chats"]
 
 # Qwen3Config fields of the shapes the goals are stated at (random weights: no download)
 SHAPES = {
@@ -21,6 +26,21 @@ SHAPES = {
     "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=1000),
 }
+
+
+def synced_times(fn: Callable[[], Any], device: torch.device, runs: int) -> tuple[list[float], Any]:
+    """The seconds of each of `runs` calls of fn (the GPU synchronized before and after each), and the
+    last call's result; the caller drops its warm-up calls and takes the median."""
+    times, out = [], None
+    for _ in range(runs):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times, out
 
 
 def random_target(shape: str, device: torch.device) -> torch.nn.Module:

@@ -15,10 +15,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
+from bench.common import synced_times
 from train.anchors import IGNORE
 from train.markov_head import MarkovHead
 from train.replay import decode_visits, replay_counts, tree_accepts, visited_tree_accepts
@@ -45,15 +45,8 @@ def synthetic_batch(a: argparse.Namespace, dev: torch.device) -> tuple[dict, Mar
 
 
 def _timed(fn, reps: int, dev: torch.device) -> tuple[float, torch.Tensor]:
-    times, out = [], None
-    for _ in range(reps + 1):  # the first call warms up
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        out = fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t0)
+    """The median seconds of `reps` calls after one warm-up, and the result."""
+    times, out = synced_times(fn, dev, reps + 1)
     return statistics.median(times[1:]), out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import checked_export
+from bench.common import checked_export, synced_times
 
 PHASES = ("mask", "verify", "step", "sync", "compact")
 
@@ -31,15 +31,7 @@ def build_seconds(d_slots: int, vocab: int, budget: int, device: torch.device, r
     from train.draft_tree import build_tree
 
     logp = torch.log_softmax(torch.randn(d_slots, vocab, device=device), -1)
-    times = []
-    for _ in range(reps + 3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        build_tree(logp, budget)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+    times, _ = synced_times(lambda: build_tree(logp, budget), device, reps + 3)
     return sorted(times[3:])[reps // 2]
 
 
