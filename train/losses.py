@@ -128,8 +128,9 @@ class _FusedHeadLoss(torch.autograd.Function):
                 chunk, compiled, bias_rows, bias_head):
         head_grad = _compiled_head_grad() if compiled else _head_grad
         head = bias_head is not None
-        x = torch.cat([rows, bias_rows], -1) if head else rows  # [n, H (+ r)]
-        weight = torch.cat([lm_head, bias_head], -1) if head else lm_head  # [V, H (+ r)]
+        # [n, H (+ r)], [V, H (+ r)]; the teacher's logits stay those of lm_head alone
+        x, weight, _ = _with_head(rows, lm_head, None, bias_rows, bias_head) if head else \
+            (rows, lm_head, None)
         losses, grads, hits, ds = [], [], [], []  # ds: the head's per-chunk d, kept for backward
         for i in range(0, len(rows), chunk):
             sl = slice(i, i + chunk)
