@@ -25,6 +25,9 @@ DIVERGENCES = ("kl", "tv")
 # torch.compile modes for the drafter layers (train.model.DFlashDrafter.compile_layers); CUDA
 # graphs are left out: the layers' shapes change with every batch's context length.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# FlexAttention BlockMask tiles (train.masks): inductor's one default kernel takes 128-row tiles, so
+# a smaller one needs the autotuned modes, whose candidates include 32- and 64-row kernels.
+MASK_TILES = (32, 64, 128)
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -198,6 +201,10 @@ class TrainConfig:
     path the preset's figures were measured on), 0 pads to FlexAttention's 128-token tile when it
     runs. Exact (tests/train/test_step.py); the H200 preset pads
     (docs/benchmarks/2026-12-05_step-levers_h200.md)."""
+    mask_tile: int = 128
+    """FlexAttention's BlockMask tile, 32, 64 or 128 (default): a smaller one skips more of the
+    mostly hidden tiles around the draft blocks (exact); below 128 it needs a max-autotune
+    --compile-mode, whose kernels come in the smaller tiles."""
     compile: bool = False
     """torch.compile the drafter layers and the fused loss's per-chunk softmax and gradient
     (GPU)."""
@@ -254,6 +261,11 @@ class TrainConfig:
         self._check_choices()
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"compile_mode {self.compile_mode} needs --compile")
+        if self.mask_tile not in MASK_TILES:
+            raise ValueError(f"mask_tile must be one of {MASK_TILES}, got {self.mask_tile}")
+        if self.mask_tile != 128 and self.compile_mode == "default":
+            raise ValueError(f"mask_tile {self.mask_tile} needs --compile with a max-autotune "
+                             "--compile-mode (the default kernel takes 128-row tiles only)")
         for flag, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
             if getattr(self, flag) and importlib.util.find_spec(module) is None:
                 raise ValueError(f"--{flag} needs the {module} package: pip install {module}")
@@ -311,4 +323,4 @@ RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
                "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
                "val_every", "patience", "loss_chunk", "loss_backward", "grad_reduce",
-               "follow", "compile", "compile_mode", "out")
+               "follow", "compile", "compile_mode", "mask_tile", "out")

@@ -58,7 +58,10 @@ class LossSettings:
     attention kernels visit no tile of the blocks' keys."""
     context_tile: int = 1
     """Pad the context with hidden keys to a multiple of this many tokens, so the draft blocks start
-    on a FlexAttention tile: 0 = FLEX_TILE with use_flex, none without; 1 = never (default)."""
+    on a FlexAttention tile: 0 = mask_tile with use_flex, none without; 1 = never (default)."""
+    mask_tile: int = FLEX_TILE
+    """FlexAttention's BlockMask tile (query rows x keys taken or skipped as one): a smaller tile
+    skips more of the mostly hidden tiles at the blocks' diagonal, at smaller kernel tiles."""
     weighting: Weighting = Weighting()
     """The rows' loss weights: the fixed decay, or decode-aware ones from the step's own hits."""
 
@@ -70,7 +73,7 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     `tree_budgets`, also those of a draft tree of that many nodes ("tree_accepts": budget -> [b, N],
     train.replay.tree_accepts), from the same forward."""
     taps = batch["hidden"]  # [b, T, K*H]: the tapped layers' states
-    tile = loss.context_tile or (FLEX_TILE if loss.use_flex else 1)
+    tile = loss.context_tile or (loss.mask_tile if loss.use_flex else 1)
     # keys past the last anchor are never seen, so padding the context changes nothing but where the
     # blocks' keys start: on a tile boundary each 128-row query tile (16 blocks of 8) meets its own
     # blocks in one kv tile instead of two, a quarter fewer tiles for the attention kernels to visit
@@ -79,11 +82,13 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
     if loss.split_blocks:
-        make = flex_context_mask if loss.use_flex else dense_context_mask
-        mask = SplitMask(make(batch["anchors"], t, loss.block_size), loss.block_size)
+        context = flex_context_mask(batch["anchors"], t, loss.block_size, loss.mask_tile) \
+            if loss.use_flex else dense_context_mask(batch["anchors"], t, loss.block_size)
+        mask = SplitMask(context, loss.block_size)
+    elif loss.use_flex:
+        mask = flex_block_mask(batch["anchors"], t, loss.block_size, loss.mask_tile)
     else:
-        make = flex_block_mask if loss.use_flex else dense_mask
-        mask = make(batch["anchors"], t, loss.block_size)
+        mask = dense_mask(batch["anchors"], t, loss.block_size)
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]

@@ -92,6 +92,40 @@ def test_train_context_tile_maps_onto_the_loss_and_refuses_a_negative_tile(tmp_p
         TrainConfig(**base, context_tile=-1)
 
 
+@pytest.mark.parametrize("tile", [32, 64, FLEX_TILE])
+def test_the_mask_tile_shapes_the_block_mask_and_the_context_padding(tile):
+    """--mask-tile reaches the FlexAttention BlockMask (and context_tile 0 pads to it); the drafter is
+    stopped at its input, since FlexAttention's backward needs a GPU."""
+    batch = _batch(torch.Generator().manual_seed(0))
+    model = DFlashDrafter(DC, torch.randn(300, 64), torch.randn(300, 64))
+    seen = {}
+
+    def stop(_m, args):
+        seen["t"], seen["mask"] = args[0].shape[1], args[4]
+        raise StopIteration
+
+    model.register_forward_pre_hook(stop)
+    with pytest.raises(StopIteration):
+        forward_backward(model, batch, LossSettings(block_size=DC.block_size, gamma=4.0, use_flex=True,
+                                                    context_tile=0, mask_tile=tile))
+    assert seen["t"] == -(-300 // tile) * tile
+    assert seen["mask"].BLOCK_SIZE == (tile, tile)
+
+
+def test_train_mask_tile_maps_onto_the_loss_and_refuses_what_the_kernels_cannot_take(tmp_path):
+    from train.config import TrainConfig
+    from train.start import loss_settings
+
+    base = {"store": str(tmp_path / "s.zarr"), "out": str(tmp_path / "run")}
+    assert loss_settings(TrainConfig(**base), torch.device("cpu"), DC).mask_tile == FLEX_TILE
+    tuned = TrainConfig(**base, mask_tile=64, compile=True, compile_mode="max-autotune-no-cudagraphs")
+    assert loss_settings(tuned, torch.device("cpu"), DC).mask_tile == 64
+    with pytest.raises(ValueError, match="mask_tile must be one of"):
+        TrainConfig(**base, mask_tile=48)
+    with pytest.raises(ValueError, match="mask_tile 64 needs --compile with a max-autotune"):
+        TrainConfig(**base, mask_tile=64)
+
+
 def _fitted_by_loop(step, left, step_s, pause_s, every, cap):
     """The oracle: take steps one by one, a pass after each multiple of `every`, while they fit."""
     spent, s = 0.0, step
