@@ -6,7 +6,9 @@
 #   bash scripts/gpu_rates.sh train_more # 1 GPU: the same at budget 8192, and with kept logits
 #   bash scripts/gpu_rates.sh profile    # 1 GPU: the same eager, with torch.profiler's top CUDA ops
 #   bash scripts/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
-#   bash scripts/gpu_rates.sh levers     # 1 GPU: the step's levers at the preset's shape, and bench replay
+#   bash scripts/gpu_rates.sh levers     # 1 GPU: the step's levers at the preset's shape (LEVERS: which)
+#   bash scripts/gpu_rates.sh levprofile # 1 GPU: the preset's step under torch.profiler
+#   bash scripts/gpu_rates.sh replay losskernel  # 1 GPU: bench replay; bench loss-kernel (ours vs Liger)
 #   bash scripts/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
 #   bash scripts/gpu_rates.sh ddp1 wait ddp2 savecache  # x2 cold, one call with TL1=300 TL2=200: the 1-GPU
 #                                      #   compiled run on GPU 0, then 2 GPUs, warm
@@ -27,6 +29,10 @@ if [ -f .devcarry/inductor.tgz ] && [ ! -d /root/inductor ]; then mkdir -p /root
 SHAPE=${SHAPE:-qwen3-8b}  # qwen3-32b for 8-GPU runs
 XB="--shape $SHAPE --batches 24 --batch 8 --seq 2048"
 TB="--shape $SHAPE --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr"
+# the H200 preset's training shape (configs/smollm2-h200), compiled, lengths 128..1024 as in the real store
+LB="--shape smollm2-135m --layers 5 --block-size 8 --draft-vocab 12288 --token-budget 16384 --seq 1024 \
+  --min-seq 128 --samples 256 --steps 30 --warmup 5 --rounds 2 --compile --dtype fp8_e4m3 --workers 4 \
+  --store /dev/shm/tb.zarr --context-tile 0"
 DB=${DB:-"--shape $SHAPE --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"}  # env: a CPU smoke run
 ddp_files() {  # metrics and the log's tail of each run, back in $OUT (log tails in one file: 8 files come back)
   for g in "$@"; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; echo "== g$g"; \
@@ -66,17 +72,24 @@ small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs co
   timeout 200 python3 -m bench.train_bench $SB --compile 2>&1 | tee "$OUT/train_small_compile.log" | grep '^{'
   ;;
 levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one process a variant in turn, each
-  # a JSON line in $OUT/levers.jsonl (LEVERS: the variants instead, ';'-separated bench train options); then
-  # the held-out tree replay with the Markov head, trees at every block vs at the visited ones
-  LB="--shape smollm2-135m --layers 5 --block-size 8 --draft-vocab 12288 --token-budget 16384 --seq 1024 \
-    --min-seq 128 --samples 256 --steps 30 --warmup 5 --rounds 2 --compile --dtype fp8_e4m3 --workers 4 \
-    --store /dev/shm/tb.zarr --context-tile 0"
+  # a JSON line in $OUT/levers.jsonl (LEVERS: the variants instead, ';'-separated bench train options,
+  # each after LB, the preset's shape as the preset trains it: an empty variant is the preset itself)
   IFS=";" read -r -a variants <<< "${LEVERS:-;--compile-mode max-autotune-no-cudagraphs;--token-budget 32768;--loss-chunk 8192;--markov-rank 256}"
   for v in "${variants[@]}"; do
     # shellcheck disable=SC2086
-    timeout 300 python3 -m bench.train_bench $LB $v 2>&1 | grep '^{' | tee -a "$OUT/levers.jsonl"
+    timeout ${TLEVER:-300} python3 -m bench.train_bench $LB $v 2>&1 | grep '^{' | tee -a "$OUT/levers.jsonl"
   done
+  ;;
+levprofile)  # 1 GPU: the preset's shape under torch.profiler, the top CUDA ops of 3 steps (LEVERS' first variant)
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m bench.train_bench $LB --rounds 1 --profile 3 ${LEVERS%%;*} 2>&1 \
+    | tee "$OUT/levers_profile.log" | grep -A34 "Self CUDA" | cut -c1-160
+  ;;
+replay)  # 1 GPU: the held-out tree replay with the Markov head, trees at every block vs at the visited ones
   timeout 300 python3 -m bench replay 2>&1 | tail -n 1 | tee "$OUT/replay.json"
+  ;;
+losskernel)  # 1 GPU: the draft loss's chunks at the preset's shape, ours against Liger's kernels (its wheel carried)
+  timeout 300 python3 -m bench loss-kernel 2>&1 | tail -n 1 | tee "$OUT/loss_kernel.json"
   ;;
 ddp)  # x2: DDP scaling of python -m train --compile (the fused loss, the default), 1 then 2 GPUs in one call;
   # each run is rated on the rows logged before its limit (on a fresh machine the compile alone takes minutes)
