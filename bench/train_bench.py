@@ -31,7 +31,7 @@ from cache_format import (
     finalize_store,
     write_frozen,
 )
-from train.config import COMPILE_MODES, LOSS_BACKWARDS, MASK_TILES
+from train.config import COMPILE_MODES, COMPILE_SCOPES, LOSS_BACKWARDS, MASK_TILES
 from train.data import BatchDataset, CollateSettings, plan_epoch, to_device
 from train.losses import default_gamma
 from train.model import DFlashDrafter, DrafterConfig
@@ -141,6 +141,7 @@ def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | N
     t_mem, t_store, t_side = (statistics.median(times[k]) for k in ("memory", "store", "store_side_stream"))
     return {"shape": a.shape, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                       "layers": a.layers, "compile": a.compile, "compile_mode": a.compile_mode,
+                      "compile_scope": a.compile_scope,
                       "loss_chunk": a.loss_chunk, "min_seq": a.min_seq,
                       "context_tile": a.context_tile, "mask_tile": a.mask_tile, "split_blocks": a.split_blocks, "markov_rank": a.markov_rank,
                       "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
@@ -176,6 +177,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="H200 dense bf16 spec")
     ap.add_argument("--compile", action="store_true", help="torch.compile each drafter layer (as --compile in train)")
     ap.add_argument("--compile-mode", default="default", choices=COMPILE_MODES, help="as --compile-mode in train")
+    ap.add_argument("--compile-scope", default="layers", choices=COMPILE_SCOPES, help="as --compile-scope in train")
     ap.add_argument("--verify-shards", action="store_true",
                     help="the store path checks each shard's checksums on first read (train --verify-shards on)")
     ap.add_argument("--loss-chunk", type=int, default=2048)
@@ -200,7 +202,7 @@ def _setup(a, dev: torch.device):
     model = DFlashDrafter(dc, fr["embed_tokens.weight"], fr["lm_head.weight"],
                           torch.arange(a.draft_vocab) if a.draft_vocab else None).to(dev)
     if a.compile:
-        model.compile_layers(a.compile_mode)
+        model.compile_layers(a.compile_mode, a.compile_scope)
     opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)  # what python -m train uses
     ds = bench_batches(a.store, dc, token_budget=a.token_budget, anchors=a.anchors, count=a.steps + a.warmup,
                        verify_shards=a.verify_shards)

@@ -25,6 +25,9 @@ DIVERGENCES = ("kl", "tv")
 # torch.compile modes for the drafter layers (train.model.DFlashDrafter.compile_layers); CUDA
 # graphs are left out: the layers' shapes change with every batch's context length.
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+# What --compile compiles (train.model.DFlashDrafter.compile_layers): each layer, or the whole
+# training forward.
+COMPILE_SCOPES = ("layers", "model")
 # FlexAttention BlockMask tiles (train.masks): inductor's one default kernel takes 128-row tiles, so
 # a smaller one needs the autotuned modes, whose candidates include 32- and 64-row kernels.
 MASK_TILES = (32, 64, 128)
@@ -201,6 +204,9 @@ class TrainConfig:
     path the preset's figures were measured on), 0 pads to FlexAttention's 128-token tile when it
     runs. Exact (tests/train/test_step.py); the H200 preset pads
     (docs/benchmarks/2026-12-05_step-levers_h200.md)."""
+    compile_scope: str = "layers"
+    """What --compile compiles of the drafter: each layer (default), or the whole training
+    forward as one graph, the context's projection, norms and RoPE and the final norm included."""
     mask_tile: int = 128
     """FlexAttention's BlockMask tile, 32, 64 or 128 (default): a smaller one skips more of the
     mostly hidden tiles around the draft blocks (exact); below 128 it needs a max-autotune
@@ -261,6 +267,8 @@ class TrainConfig:
         self._check_choices()
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"compile_mode {self.compile_mode} needs --compile")
+        if self.compile_scope != "layers" and not self.compile:
+            raise ValueError(f"compile_scope {self.compile_scope} needs --compile")
         if self.mask_tile not in MASK_TILES:
             raise ValueError(f"mask_tile must be one of {MASK_TILES}, got {self.mask_tile}")
         if self.mask_tile != 128 and self.compile_mode == "default":
@@ -294,7 +302,8 @@ class TrainConfig:
                               ("loss_backward", LOSS_BACKWARDS), ("grad_reduce", GRAD_REDUCES),
                               ("verify_shards", ("auto", "on", "off")),
                               ("attention", ("auto", "flex", "sdpa")),
-                              ("compile_mode", COMPILE_MODES)):
+                              ("compile_mode", COMPILE_MODES),
+                              ("compile_scope", COMPILE_SCOPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {tuple(allowed)}, got "
                                  f"{getattr(self, name)!r}")
@@ -323,4 +332,5 @@ RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
                "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
                "val_every", "patience", "loss_chunk", "loss_backward", "grad_reduce",
-               "follow", "compile", "compile_mode", "mask_tile", "out")
+               "follow", "compile", "compile_mode", "compile_scope", "mask_tile",
+               "out")

@@ -152,12 +152,17 @@ class DFlashDrafter(nn.Module):
             nn.init.normal_(self.markov_head.markov_w1.weight, std=0.02)
             nn.init.zeros_(self.markov_head.markov_w2.weight)
 
-    def compile_layers(self, mode: str = "default") -> None:
-        """torch.compile each layer in place: fuses the norms, RoPE and SwiGLU around the matmuls.
+    def compile_layers(self, mode: str = "default", scope: str = "layers") -> None:
+        """torch.compile in place: fuses the norms, RoPE and SwiGLU around the matmuls.
 
         Shapes vary per batch (context length, anchors), hence dynamic shapes. `mode`: a
-        torch.compile mode (train.config.COMPILE_MODES).
+        torch.compile mode (train.config.COMPILE_MODES). `scope`: "layers" compiles each layer,
+        "model" the whole training forward as one graph (the context's fc, norms and keys, the
+        block embeddings and RoPE, the final norm too, which the layers leave eager).
         """
+        if scope == "model":
+            self.compile(dynamic=True, mode=mode)
+            return
         for layer in self.layers:
             layer.compile(dynamic=True, mode=mode)
 

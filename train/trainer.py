@@ -153,7 +153,7 @@ class Trainer:
         cfg, self.state = self.cfg, state
         # in place: parameter names (checkpoints, export) stay those of the eager model
         if cfg.compile:
-            self.model.compile_layers(cfg.compile_mode)
+            self.model.compile_layers(cfg.compile_mode, cfg.compile_scope)
         self.ddp = (data_parallel(self.model, grad_reduce=cfg.grad_reduce)
                     if self.world_size > 1 else self.model)
         if self.rank == 0:

@@ -162,15 +162,20 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
     # --compile fuses the layers with inductor (CPU here): same losses, and checkpoints keep the eager names
     train(train_cfg(store, tmp_path / "eager", max_steps=6, checkpoint_every=6, log_every=1))
     train(train_cfg(store, tmp_path / "comp", max_steps=6, checkpoint_every=6, log_every=1, compile=True))
-    a, b = metric_rows(tmp_path / "eager"), metric_rows(tmp_path / "comp")
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) < 1e-3 * abs(x["loss"]), (x["loss"], y["loss"])
+    # --compile-scope model: the whole training forward as one graph
+    train(train_cfg(store, tmp_path / "whole", max_steps=6, checkpoint_every=6, log_every=1, compile=True,
+                    compile_scope="model"))
+    a = metric_rows(tmp_path / "eager")
     wa = load_checkpoint(latest_checkpoint(tmp_path / "eager"))[0]
-    wb = load_checkpoint(latest_checkpoint(tmp_path / "comp"))[0]
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
+    for run in ("comp", "whole"):
+        b = metric_rows(tmp_path / run)
+        assert [r["step"] for r in a] == [r["step"] for r in b]
+        for x, y in zip(a, b):
+            assert abs(x["loss"] - y["loss"]) < 1e-3 * abs(x["loss"]), (run, x["loss"], y["loss"])
+        wb = load_checkpoint(latest_checkpoint(tmp_path / run))[0]
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-4)
 
 
 def test_compile_mode_reaches_every_drafter_layer(store, tmp_path, monkeypatch):
@@ -181,6 +186,11 @@ def test_compile_mode_reaches_every_drafter_layer(store, tmp_path, monkeypatch):
     train(train_cfg(store, tmp_path / "m", max_steps=2, compile=True, compile_mode="max-autotune-no-cudagraphs"))
     assert len(seen) == train_cfg(store, tmp_path / "x").num_layers
     assert all(kw == {"dynamic": True, "mode": "max-autotune-no-cudagraphs"} for _, kw in seen), seen
+    seen.clear()
+    train(train_cfg(store, tmp_path / "w", max_steps=2, compile=True, compile_scope="model"))
+    assert seen == [("DFlashDrafter", {"dynamic": True, "mode": "default"})]
+    with pytest.raises(ValueError, match="compile_scope model needs --compile"):
+        train_cfg(store, tmp_path / "x", compile_scope="model")
     with pytest.raises(ValueError, match="compile_mode max-autotune-no-cudagraphs needs --compile"):
         train_cfg(store, tmp_path / "x", compile_mode="max-autotune-no-cudagraphs")
     with pytest.raises(ValueError, match="compile_mode must be one of"):
