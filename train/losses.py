@@ -176,8 +176,9 @@ def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, 
     """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks. bias: a Markov head's
     (bias_rows [n, r], bias_head [V, r]) or None."""
     grad = torch.is_grad_enabled() and rows.requires_grad
-    if bias is not None:  # the head's factors in the dtypes of the rows and lm_head they join
-        bias = bias[0].to(rows.dtype), bias[1].to(lm_head.dtype)
+    if bias is not None:  # the head's factors in the dtypes of the rows and lm_head they join; W2
+        # never below its own, so that its gradient (the W2 dtype's) is not rounded to autocast's
+        bias = bias[0].to(rows.dtype), bias[1].to(torch.promote_types(lm_head.dtype, bias[1].dtype))
     if grad and backward == "fused":
         return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight,
                                     divergence, penalty, chunk, compiled, *(bias or (None, None)))
@@ -244,7 +245,10 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     b, q, h = hidden.shape
-    if lm_head.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
+    if torch.is_autocast_enabled(hidden.device.type):
+        # the dtype every chunk's matmul would cast the frozen head to, once (the same values)
+        lm_head = lm_head.to(torch.get_autocast_dtype(hidden.device.type))
+    elif lm_head.dtype != hidden.dtype:
         lm_head = lm_head.to(hidden.dtype)  # CPU float32 training over a bf16 store
     slot = torch.arange(q, device=hidden.device) % block_size
     keep = labels != IGNORE

@@ -168,7 +168,9 @@ class DFlashDrafter(nn.Module):
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [B, T, K*H] -> fused context [B, T, H]."""
-        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+        if not torch.is_autocast_enabled(taps.device.type):  # else autocast casts them for fc
+            taps = taps.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(taps))
 
     def context_kv(self, taps: torch.Tensor,
                    ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -220,6 +220,33 @@ def test_fused_loss_bf16_matches_keep():
     torch.testing.assert_close(grads[0], grads[1], rtol=2e-2, atol=2e-3)
 
 
+def test_autocast_loss_casts_the_head_once_as_each_chunk_would_and_keeps_w2s_gradient_in_float32():
+    """Under autocast the frozen lm_head is cast once, to autocast's dtype: the loss equals the one over
+    bf16 rows and a bf16 head; a Markov head's W2 keeps its float32 gradient (not rounded to bf16)."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 16, 32, generator=g, requires_grad=True)
+    lm_head = torch.randn(300, 32, generator=g) * 0.3
+    labels = torch.randint(0, 300, (2, 16), generator=g)
+    labels[:, ::4] = IGNORE
+    kw = {"block_size": 4, "gamma": 7.0, "chunk": 7, "backward": "fused"}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = draft_loss(hidden, labels, lm_head, **kw)
+    ref = draft_loss(hidden.detach().bfloat16(), labels, lm_head.bfloat16(), **kw)
+    torch.testing.assert_close(out["loss"], ref["loss"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(out["correct"], ref["correct"])
+    w2s = []
+    for autocast in (True, False):
+        w2 = torch.nn.Parameter(torch.randn(300, 8, generator=torch.Generator().manual_seed(6)) * 0.1)
+        rows = torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(7))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = draft_loss(hidden, labels, lm_head, bias_rows=rows, bias_head=w2, **kw)
+        out["loss"].backward()
+        # float32 and not a bf16-rounded value in float32 clothing
+        assert w2.grad.dtype == torch.float32 and not torch.equal(w2.grad, w2.grad.bfloat16().float())
+        w2s.append(w2.grad)
+    torch.testing.assert_close(w2s[0], w2s[1], rtol=3e-2, atol=3e-3)
+
+
 def test_decay_and_acceptance():
     w = decay_weights(16, 7.0)
     assert w[0] == 0 and w[1] == 1 and math.isclose(float(w[8]), math.exp(-1), rel_tol=1e-6)
