@@ -30,9 +30,9 @@ SHAPE=${SHAPE:-qwen3-8b}  # qwen3-32b for 8-GPU runs
 XB="--shape $SHAPE --batches 24 --batch 8 --seq 2048"
 TB="--shape $SHAPE --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr"
 # the H200 preset's training shape (configs/smollm2-h200), compiled, lengths 128..1024 as in the real store
-LB="--shape smollm2-135m --layers 5 --block-size 8 --draft-vocab 12288 --token-budget 16384 --seq 1024 \
+LB=${LB:-"--shape smollm2-135m --layers 5 --block-size 8 --draft-vocab 12288 --token-budget 16384 --seq 1024 \
   --min-seq 128 --samples 256 --steps 30 --warmup 5 --rounds 2 --compile --dtype fp8_e4m3 --workers 4 \
-  --store /dev/shm/tb.zarr --context-tile 0"
+  --store /dev/shm/tb.zarr --context-tile 0"}
 DB=${DB:-"--shape $SHAPE --samples 96 --seq 2048 --steps 5000 --compile --skip-rows 3"}  # env: a CPU smoke run
 ddp_files() {  # metrics and the log's tail of each run, back in $OUT (log tails in one file: 8 files come back)
   for g in "$@"; do cp /tmp/draftcache_ddp_bench/g$g/metrics.jsonl "$OUT/ddp_g$g.jsonl"; echo "== g$g"; \
@@ -73,11 +73,15 @@ small)  # 1 GPU: the SmolLM2-shaped drafter of the real-target runs, eager vs co
   ;;
 levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one process a variant in turn, each
   # a JSON line in $OUT/levers.jsonl (LEVERS: the variants instead, ';'-separated bench train options,
-  # each after LB, the preset's shape as the preset trains it: an empty variant is the preset itself)
+  # each after LB, the preset's shape as the preset trains it: an empty variant is the preset itself).
+  # A variant "ref:OPTIONS" runs the code carried in .devcarry/ref (`git archive REF` of the packages):
+  # an earlier commit side by side with this one, in the same call
   IFS=";" read -r -a variants <<< "${LEVERS:-;--compile-mode max-autotune-no-cudagraphs;--token-budget 32768;--loss-chunk 8192;--markov-rank 256}"
   for v in "${variants[@]}"; do
+    code=$PWD; [[ $v == ref:* ]] && code=$PWD/.devcarry/ref
     # shellcheck disable=SC2086
-    timeout ${TLEVER:-300} python3 -m bench.train_bench $LB $v 2>&1 | grep '^{' | tee -a "$OUT/levers.jsonl"
+    (cd "$code" && PYTHONPATH=/root/site:$code timeout ${TLEVER:-300} python3 -m bench.train_bench $LB ${v#ref:}) 2>&1 \
+      | grep '^{' | sed "s|^{|{\"variant\": \"$v\", |" | tee -a "$OUT/levers.jsonl"
   done
   ;;
 levprofile)  # 1 GPU: the preset's shape under torch.profiler, the top CUDA ops of 3 steps (LEVERS' first variant)
