@@ -7,7 +7,7 @@ Paths, each timed over all rows with per-row loss weights (the decay weights mak
 differ, so a plain mean or sum of the rows' losses is not the loss trained):
 - ours@C: train.losses' fused path in chunks of C rows (what --loss-chunk C trains with);
 - liger-ce@C: the same chunks, with Liger's cross-entropy kernel forming each chunk's loss, hits and
-  gradient in place of ours (one Triton pass over the logits, which it overwrites with the gradient);
+  gradient in place of ours (train.liger_ce: what --ce-kernel liger trains with);
 - liger-flce: Liger's fused linear cross-entropy, reduction "none" (its chunk size is its own).
 Prints one JSON line: each path's median milliseconds, and its largest differences from ours@first
 chunk (row losses, the rows' gradient relative to its norm, hits). Liger's paths need its package
@@ -24,61 +24,22 @@ import statistics
 import torch
 
 from bench.common import synced_times
-from train.losses import _row_losses
+from train.losses import _chunk_grad, _row_losses
 
 __all__ = ["main"]
 
 
-def _liger_chunk(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk's row losses [c] (float32), gradient d row loss / d logits [c, V] (written over the
-    logits) and hits [c], by Liger's kernel with reduction "none" (no scaling of the gradient)."""
-    from liger_kernel.ops.cross_entropy import MAX_FUSED_SIZE, liger_cross_entropy_kernel
-
-    c, v = logits.shape
-    loss = torch.zeros(c, dtype=torch.float32, device=logits.device)
-    acc = torch.zeros(c, dtype=torch.float32, device=logits.device)
-    liger_cross_entropy_kernel[(c,)](
-        X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=labels, Y_stride=labels.stride(-1), weight_ptr=None,
-        loss_ptr=loss, z_loss_ptr=None, loss_stride=loss.stride(-1), token_accuracy_ptr=acc,
-        token_accuracy_stride=acc.stride(-1), predicted_tokens_ptr=None, predicted_tokens_stride=0, n_cols=v,
-        n_non_ignore=c, sum_non_ignore_weight=c, ignore_index=-100, weight_sum=0.0, lse_square_scale=0.0,
-        label_smoothing=0.0, reduction="none", softcap=None, RETURN_Z_LOSS=False, RETURN_TOKEN_ACCURACY=True,
-        RETURN_PREDICTED_TOKENS=False, BLOCK_SIZE=min(MAX_FUSED_SIZE, 1 << (v - 1).bit_length()), HAS_WEIGHT=False,
-        HAS_SOFTCAPPING=False, HAS_GRADIENTS=True, num_warps=32)
-    return loss, logits, acc > 0
-
-
-class _LigerChunks(torch.autograd.Function):
-    """As train.losses' fused path, with Liger's kernel for each chunk's softmax and gradient."""
-
-    @staticmethod
-    def forward(ctx, rows, lm_head, labels, chunk):
-        losses, grads, hits = [], [], []
-        for i in range(0, len(rows), chunk):
-            sl = slice(i, i + chunk)
-            loss, d, hit = _liger_chunk(rows[sl] @ lm_head.T, labels[sl])  # d: [c, V] in the logits' dtype
-            losses.append(loss)
-            grads.append(d @ lm_head)  # [c, H]
-            hits.append(hit)
-        ctx.save_for_backward(torch.cat(grads))
-        hit = torch.cat(hits)
-        ctx.mark_non_differentiable(hit)
-        return torch.cat(losses), hit
-
-    @staticmethod
-    def backward(ctx, g_loss, _g_hit):
-        (grad,) = ctx.saved_tensors
-        return grad * g_loss[:, None].to(grad.dtype), None, None, None
-
-
 def _paths(a: argparse.Namespace, liger: bool, compiled: bool) -> dict:
     """name -> fn(rows, lm_head, labels) -> (row losses [n], hits [n])."""
-    out = {f"ours@{c}": (lambda r, w, y, c=c: _row_losses(r, w, y, None, 0.0, "kl", 0.0, c, "fused", compiled))
-           for c in a.chunks}
+    def chunks(kernel: str, c: int):
+        grad = _chunk_grad(kernel, compiled)
+        return lambda r, w, y: _row_losses(r, w, y, None, 0.0, "kl", 0.0, c, "fused", grad)
+
+    out = {f"ours@{c}": chunks("torch", c) for c in a.chunks}
     if liger:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        out |= {f"liger-ce@{c}": (lambda r, w, y, c=c: _LigerChunks.apply(r, w, y, c)) for c in a.chunks}
+        out |= {f"liger-ce@{c}": chunks("liger", c) for c in a.chunks}
 
         def flce(r, w, y):
             o = liger_fused_linear_cross_entropy(r, w, y, reduction="none", return_token_accuracy=True)

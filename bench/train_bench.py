@@ -31,7 +31,14 @@ from cache_format import (
     finalize_store,
     write_frozen,
 )
-from train.config import COMPILE_MODES, COMPILE_SCOPES, LOSS_BACKWARDS, MASK_TILES
+from train.config import (
+    CE_KERNELS,
+    COMPILE_MODES,
+    COMPILE_SCOPES,
+    FLEX_KERNEL_NAMES,
+    LOSS_BACKWARDS,
+    MASK_TILES,
+)
 from train.data import BatchDataset, CollateSettings, plan_epoch, to_device
 from train.losses import default_gamma
 from train.model import DFlashDrafter, DrafterConfig
@@ -143,7 +150,8 @@ def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | N
                       "layers": a.layers, "compile": a.compile, "compile_mode": a.compile_mode,
                       "compile_scope": a.compile_scope,
                       "loss_chunk": a.loss_chunk, "min_seq": a.min_seq,
-                      "context_tile": a.context_tile, "mask_tile": a.mask_tile, "split_blocks": a.split_blocks, "markov_rank": a.markov_rank,
+                      "context_tile": a.context_tile, "mask_tile": a.mask_tile, "flex_kernel": a.flex_kernel,
+                      "ce_kernel": a.ce_kernel, "split_blocks": a.split_blocks, "markov_rank": a.markov_rank,
                       "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
                       "ratio": t_mem / t_store, "data_wait_frac": statistics.median(waits["store"]),
@@ -186,6 +194,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--context-tile", type=int, default=1, help="as train.step.LossSettings.context_tile: 0 pads the "
                     "context to FlexAttention's tile on a GPU, 1 never pads")
     ap.add_argument("--split-blocks", action="store_true", help="as --split-blocks in train")
+    ap.add_argument("--flex-kernel", default="default", choices=FLEX_KERNEL_NAMES, help="as --flex-kernel in train")
+    ap.add_argument("--ce-kernel", default="torch", choices=CE_KERNELS, help="as --ce-kernel in train")
     ap.add_argument("--mask-tile", type=int, default=128, choices=MASK_TILES, help="as --mask-tile in train (below "
                     "128 with a max-autotune --compile-mode)")
     ap.add_argument("--markov-rank", type=int, default=0, help="as --markov-rank in train (its head's teacher-forced "
@@ -208,7 +218,8 @@ def _setup(a, dev: torch.device):
                        verify_shards=a.verify_shards)
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), use_flex=dev.type == "cuda",
                         chunk=a.loss_chunk, backward=a.loss_backward, compiled=a.compile, context_tile=a.context_tile,
-                        split_blocks=a.split_blocks, mask_tile=a.mask_tile)
+                        split_blocks=a.split_blocks, mask_tile=a.mask_tile,
+                        flex_kernel=a.flex_kernel, ce_kernel=a.ce_kernel)
     return dc, model, opt, ds, loss
 
 

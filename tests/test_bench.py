@@ -168,31 +168,3 @@ def test_replay_suite_times_both_paths_and_they_replay_alike():
     assert res["same_tau"] and res["tau"] > 1.2 and res["visited_blocks"] < res["blocks"] == 120
     assert res["seconds_every"] > 0 and res["seconds_visited"] > 0
 
-
-def test_loss_kernel_bench_chunks_give_ours_when_the_kernel_gives_what_ours_does(monkeypatch):
-    """The Liger path's chunking and backward (what bench/loss_kernel_bench.py adds around Liger's kernel),
-    with a stand-in kernel that forms loss, gradient and hits as train.losses does: the same loss and row
-    gradients as ours under per-row weights (Liger's own kernel is compared on the GPU by the bench itself)."""
-    import torch
-
-    from bench import loss_kernel_bench as lk
-    from train.losses import _head_grad, _row_losses
-
-    def stand_in(logits, labels):
-        loss, d, hit = _head_grad(logits, labels, None, 0.0)
-        return loss, d, hit
-
-    monkeypatch.setattr(lk, "_liger_chunk", stand_in)
-    g = torch.Generator().manual_seed(0)
-    head, labels, w = torch.randn(50, 16, generator=g), torch.randint(0, 50, (37,), generator=g), torch.rand(37)
-    grads, losses = [], []
-    for fn in (lambda r: lk._LigerChunks.apply(r, head, labels, 8),
-               lambda r: _row_losses(r, head, labels, None, 0.0, "kl", 0.0, 8, "fused", False)):
-        rows = torch.randn(37, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
-        loss, hit = fn(rows)
-        (loss * w).sum().backward()
-        grads.append(rows.grad)
-        losses.append((loss, hit))
-    torch.testing.assert_close(losses[0][0], losses[1][0])
-    assert torch.equal(losses[0][1], losses[1][1])
-    torch.testing.assert_close(grads[0], grads[1])

@@ -28,6 +28,11 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 # What --compile compiles (train.model.DFlashDrafter.compile_layers): each layer, or the whole
 # training forward.
 COMPILE_SCOPES = ("layers", "model")
+# The fused loss's per-chunk softmax and gradient (train.losses): ours, or Liger's kernel
+# (train.liger_ce).
+CE_KERNELS = ("torch", "liger")
+# FlexAttention kernel options by name (train.masks.FLEX_KERNELS holds them).
+FLEX_KERNEL_NAMES = ("default", "tuned")
 # FlexAttention BlockMask tiles (train.masks): inductor's one default kernel takes 128-row tiles, so
 # a smaller one needs the autotuned modes, whose candidates include 32- and 64-row kernels.
 MASK_TILES = (32, 64, 128)
@@ -207,6 +212,9 @@ class TrainConfig:
     compile_scope: str = "layers"
     """What --compile compiles of the drafter: each layer (default), or the whole training
     forward as one graph, the context's projection, norms and RoPE and the final norm included."""
+    flex_kernel: str = "default"
+    """FlexAttention's kernel tiles: default (inductor's) or tuned (what max-autotune picked for the
+    H200 preset's step, without its minutes of autotuning: train.masks.FLEX_KERNELS)."""
     mask_tile: int = 128
     """FlexAttention's BlockMask tile, 32, 64 or 128 (default): a smaller one skips more of the
     mostly hidden tiles around the draft blocks (exact); below 128 it needs a max-autotune
@@ -220,6 +228,10 @@ class TrainConfig:
     longer first compile for a possibly faster step; bench train --compile-mode compares them)."""
     loss_chunk: int = 2048
     """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
+    ce_kernel: str = "torch"
+    """The fused loss's per-chunk softmax and gradient: torch (ours; compiled with --compile) or
+    liger (Liger's Triton kernel, `pip install liger-kernel`; plain CE on a GPU:
+    train.liger_ce)."""
     loss_backward: str = "fused"
     """How the lm_head chunks get their gradients: fused (formed in the forward pass; no logits
     kept, no extra matmul; with --markov-rank it keeps every chunk's logit gradient for the head's
@@ -269,6 +281,7 @@ class TrainConfig:
             raise ValueError(f"compile_mode {self.compile_mode} needs --compile")
         if self.compile_scope != "layers" and not self.compile:
             raise ValueError(f"compile_scope {self.compile_scope} needs --compile")
+        self._check_ce_kernel()
         if self.mask_tile not in MASK_TILES:
             raise ValueError(f"mask_tile must be one of {MASK_TILES}, got {self.mask_tile}")
         if self.mask_tile != 128 and self.compile_mode == "default":
@@ -295,6 +308,19 @@ class TrainConfig:
         if self.val_samples and self.follow:
             raise ValueError("val_samples needs the whole store to choose from: not with follow")
 
+    def _check_ce_kernel(self) -> None:
+        """--ce-kernel liger: plain CE through the fused path, with the package installed."""
+        if self.ce_kernel != "liger":
+            return
+        if self.loss != "ce" or self.confidence_penalty or self.markov_rank or \
+                self.loss_backward != "fused":
+            raise ValueError("ce_kernel liger computes plain cross-entropy in the fused backward: "
+                             "not with --loss kl/mix, --confidence-penalty, --markov-rank or "
+                             f"--loss-backward {self.loss_backward}")
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ValueError("ce_kernel liger needs the liger-kernel package: pip install "
+                             "'draftcache[liger]'")
+
     def _check_choices(self) -> None:
         """Each option with a fixed set of values holds one of them."""
         for name, allowed in (("loss", ("ce", "kl", "mix")), ("divergence", DIVERGENCES),
@@ -303,7 +329,8 @@ class TrainConfig:
                               ("verify_shards", ("auto", "on", "off")),
                               ("attention", ("auto", "flex", "sdpa")),
                               ("compile_mode", COMPILE_MODES),
-                              ("compile_scope", COMPILE_SCOPES)):
+                              ("compile_scope", COMPILE_SCOPES), ("ce_kernel", CE_KERNELS),
+                              ("flex_kernel", FLEX_KERNEL_NAMES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {tuple(allowed)}, got "
                                  f"{getattr(self, name)!r}")
@@ -332,5 +359,6 @@ RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
                "tensorboard", "wandb", "verify_shards",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
                "val_every", "patience", "loss_chunk", "loss_backward", "grad_reduce",
-               "follow", "compile", "compile_mode", "compile_scope", "mask_tile",
+               "follow", "compile", "compile_mode", "compile_scope", "mask_tile", "flex_kernel",
+               "ce_kernel",
                "out")

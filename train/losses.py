@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from train.anchors import IGNORE
-from train.config import DIVERGENCES, LOSS_BACKWARDS, POSITION_WEIGHTS
+from train.config import CE_KERNELS, DIVERGENCES, LOSS_BACKWARDS, POSITION_WEIGHTS
 from train.replay import block_accepts, reach_weights, visit_weights
 from train.vocab import OUT_OF_VOCAB
 
@@ -110,6 +110,17 @@ def _compiled_head_grad():
     return torch.compile(_head_grad, dynamic=True)
 
 
+def _chunk_grad(ce_kernel: str, compiled: bool):
+    """The fused path's per-chunk loss and gradient: ours (compiled or eager) or Liger's kernel."""
+    if ce_kernel not in CE_KERNELS:
+        raise ValueError(f"ce_kernel must be one of {CE_KERNELS}, got {ce_kernel!r}")
+    if ce_kernel == "liger":
+        from train.liger_ce import liger_head_grad
+
+        return liger_head_grad
+    return _compiled_head_grad() if compiled else _head_grad
+
+
 class _FusedHeadLoss(torch.autograd.Function):
     """Chunked lm_head + per-row loss whose backward needs no logits. The lm_head is frozen, so the
     gradient with respect to the rows is the one it needs; each chunk forms it in the forward pass,
@@ -125,8 +136,7 @@ class _FusedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, lm_head, labels, teacher, kl_weight, divergence, penalty,
-                chunk, compiled, bias_rows, bias_head):
-        head_grad = _compiled_head_grad() if compiled else _head_grad
+                chunk, head_grad, bias_rows, bias_head):
         head = bias_head is not None
         # [n, H (+ r)], [V, H (+ r)]; the teacher's logits stay those of lm_head alone
         x, weight, _ = _with_head(rows, lm_head, None, bias_rows, bias_head) if head else \
@@ -171,17 +181,18 @@ class _FusedHeadLoss(torch.autograd.Function):
         return g_rows, None, None, None, None, None, None, None, None, g_bias, g_w2
 
 
-def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, backward, compiled,
+def _row_losses(rows, lm_head, lab, tea, kl_weight, divergence, penalty, chunk, backward, head_grad,
                 bias=None):
-    """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks. bias: a Markov head's
-    (bias_rows [n, r], bias_head [V, r]) or None."""
+    """Per-row loss [n] (differentiable) and argmax hits [n] over the chunks. head_grad: the fused
+    path's per-chunk loss and gradient (_head_grad or a stand-in). bias: a Markov head's (bias_rows
+    [n, r], bias_head [V, r]) or None."""
     grad = torch.is_grad_enabled() and rows.requires_grad
     if bias is not None:  # the head's factors in the dtypes of the rows and lm_head they join; W2
         # never below its own, so that its gradient (the W2 dtype's) is not rounded to autocast's
         bias = bias[0].to(rows.dtype), bias[1].to(torch.promote_types(lm_head.dtype, bias[1].dtype))
     if grad and backward == "fused":
         return _FusedHeadLoss.apply(rows, lm_head, lab, tea if kl_weight > 0 else None, kl_weight,
-                                    divergence, penalty, chunk, compiled, *(bias or (None, None)))
+                                    divergence, penalty, chunk, head_grad, *(bias or (None, None)))
     if bias is not None:
         rows, lm_head, tea = _with_head(rows, lm_head, tea, *bias)
     losses, hits = [], []
@@ -214,6 +225,7 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
                block_size: int, gamma: float, teacher: torch.Tensor | None = None,
                kl_weight: float = 0.0, divergence: str = "kl", confidence_penalty: float = 0.0,
                chunk: int = 2048, backward: str = "fused", compiled: bool = False,
+               ce_kernel: str = "torch",
                weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
                spans: torch.Tensor | None = None, replay: bool = False,
                bias_rows: torch.Tensor | None = None, bias_head: torch.Tensor | None = None
@@ -229,7 +241,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     made: "fused" forms each chunk's row gradient in the forward pass (no logits kept, no extra
     matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more
     lm_head matmul), "keep" leaves every chunk's logits alive until backward (most memory).
-    `compiled` runs the fused path's per-chunk softmax and gradient through torch.compile.
+    `compiled` runs the fused path's per-chunk softmax and gradient through torch.compile;
+    `ce_kernel` "liger" runs them by Liger's kernel instead (train.liger_ce: plain CE on a GPU).
 
     The row weights are the position decay exp(-(k-1)/gamma) unless `weighting` asks for
     decode-aware ones, built from this forward's own hits (train.replay): `anchors` and `spans`
@@ -260,7 +273,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
                          "(extract with --last-hidden)")
     bias = (bias_rows[keep], bias_head) if bias_rows is not None else None
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence,
-                                confidence_penalty, chunk, backward, compiled, bias)
+                                confidence_penalty, chunk, backward,
+                                _chunk_grad(ce_kernel, compiled), bias)
     hit = hit & in_vocab
     loss, wsum, dense = _weighted_mean(row_loss, hit, keep, in_vocab, weighting or Weighting(),
                                        anchors, spans, block_size=block_size, gamma=gamma,

@@ -9,12 +9,32 @@ see only themselves, so softmax never meets an empty row; their labels are IGNOR
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["FLEX_TILE", "block_tiles", "dense_context_mask", "dense_mask", "flex_block_mask",
-           "flex_context_mask", "use_flex_attention"]
+__all__ = ["FLEX_KERNELS", "FLEX_TILE", "FlexMask", "block_tiles", "dense_context_mask",
+           "dense_mask", "flex_block_mask", "flex_context_mask", "use_flex_attention"]
 
 FLEX_TILE = 128  # the BlockMask tile: query rows x keys the kernels take or skip as one
+
+# FlexAttention kernel_options by name (--flex-kernel): None leaves inductor's defaults; "tuned" is
+# what its max-autotune picked for the preset's training step on an H200 (head dim 64, 9 query and
+# 3 kv heads, 128-token mask tiles: docs/results/levers-h200-3/), without the minutes of autotuning
+# at every new shape: forward 128 x 64 tiles, backward 32/64 and 64/32, 4 warps, 3 stages.
+FLEX_KERNELS = {
+    "default": None,
+    "tuned": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_warps": 4, "fwd_num_stages": 3,
+              "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+              "bwd_num_warps": 4, "bwd_num_stages": 3},
+}
+
+
+class FlexMask(NamedTuple):
+    """A FlexAttention BlockMask and the kernel options to attend with (None: inductor's own)."""
+
+    block: object
+    options: dict | None
 
 
 def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:

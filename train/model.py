@@ -22,6 +22,7 @@ from torch import nn
 
 from train.attention import SplitMask, split_attention
 from train.markov_head import MarkovHead
+from train.masks import FlexMask
 from train.modeling_dflash import RMSNorm, apply_rope, rope_cos_sin
 from train.vocab import draft_labels, target_to_draft
 
@@ -105,7 +106,10 @@ class DraftLayer(nn.Module):
             o = split_attention(q, k, v, ctx_k, ctx_v, mask, flex=_flex())
         else:
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
-            if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
+            if isinstance(mask, FlexMask):  # a FlexAttention BlockMask and its kernel options
+                o = _flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask.block, enable_gqa=True,
+                            kernel_options=mask.options)
+            elif mask is not None and not isinstance(mask, torch.Tensor):  # a bare BlockMask
                 o = _flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
             else:
                 rep = self.c.num_heads // self.c.num_kv_heads

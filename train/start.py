@@ -285,12 +285,15 @@ def domain_groups(reader: StoreReader, rows: np.ndarray) -> dict[str, torch.Tens
 
 def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> LossSettings:
     """How every micro-batch of the run becomes a loss (train.step.LossSettings) from the config."""
+    if cfg.ce_kernel == "liger" and device.type != "cuda":
+        raise ValueError("ce_kernel liger needs a GPU (Liger's kernel is Triton); use torch")
     return LossSettings(block_size=cfg.block_size, gamma=cfg.gamma or default_gamma(cfg.block_size),
                         kl_weight=cfg.effective_kl_weight, divergence=cfg.divergence,
                         confidence_penalty=cfg.confidence_penalty,
                         use_flex=use_flex_attention(cfg.attention, device.type, dc.head_dim),
                         split_blocks=cfg.split_blocks, context_tile=cfg.context_tile,
-                        mask_tile=cfg.mask_tile,
+                        mask_tile=cfg.mask_tile, flex_kernel=cfg.flex_kernel,
+                        ce_kernel=cfg.ce_kernel,
                         chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile,
                         weighting=Weighting(position=cfg.position_weights,
                                             visit_weight=cfg.visit_weight))

@@ -19,7 +19,9 @@ from train.attention import SplitMask
 from train.data import BatchDataset, to_device
 from train.losses import LossOut, Weighting, acceptance_from_acc, draft_loss
 from train.masks import (
+    FLEX_KERNELS,
     FLEX_TILE,
+    FlexMask,
     dense_context_mask,
     dense_mask,
     flex_block_mask,
@@ -53,12 +55,16 @@ class LossSettings:
     """fused, recompute or keep: how the lm_head chunks get their gradients."""
     compiled: bool = False
     """The per-chunk softmax and gradient compiled (with --compile)."""
+    ce_kernel: str = "torch"
+    """torch (ours) or liger (Liger's kernel): the fused path's per-chunk softmax and gradient."""
     split_blocks: bool = False
     """Attend to the context and to the own block apart and merge them (train.attention), so the
     attention kernels visit no tile of the blocks' keys."""
     context_tile: int = 1
     """Pad the context with hidden keys to a multiple of this many tokens, so the draft blocks start
     on a FlexAttention tile: 0 = mask_tile with use_flex, none without; 1 = never (default)."""
+    flex_kernel: str = "default"
+    """FlexAttention's kernel tiles: inductor's defaults, or "tuned" (train.masks.FLEX_KERNELS)."""
     mask_tile: int = FLEX_TILE
     """FlexAttention's BlockMask tile (query rows x keys taken or skipped as one): a smaller tile
     skips more of the mostly hidden tiles at the blocks' diagonal, at smaller kernel tiles."""
@@ -86,7 +92,8 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
             if loss.use_flex else dense_context_mask(batch["anchors"], t, loss.block_size)
         mask = SplitMask(context, loss.block_size)
     elif loss.use_flex:
-        mask = flex_block_mask(batch["anchors"], t, loss.block_size, loss.mask_tile)
+        mask = FlexMask(flex_block_mask(batch["anchors"], t, loss.block_size, loss.mask_tile),
+                        FLEX_KERNELS[loss.flex_kernel])
     else:
         mask = dense_mask(batch["anchors"], t, loss.block_size)
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
@@ -103,6 +110,7 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
                          teacher=batch.get("block_last_hidden"), kl_weight=loss.kl_weight,
                          divergence=loss.divergence, confidence_penalty=loss.confidence_penalty,
                          chunk=loss.chunk, backward=loss.backward, compiled=loss.compiled,
+                         ce_kernel=loss.ce_kernel,
                          weighting=loss.weighting,
                          anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay,
                          **head_terms)

@@ -19,12 +19,14 @@ def _batch(dc: DrafterConfig, g: torch.Generator) -> dict[str, torch.Tensor]:
     return {k: v.cuda() for k, v in out.items()}
 
 
-@pytest.mark.parametrize(("compiled", "split", "tile"), [
-    (False, False, 128), ("default", False, 128), (False, True, 128), ("default", True, 128),
-    ("default:model", False, 128), ("max-autotune-no-cudagraphs", False, 128),
-    ("max-autotune-no-cudagraphs", False, 64), ("max-autotune-no-cudagraphs", False, 32)])
-def test_flex_attention_step_equals_dense_step(compiled, split, tile):
-    # compiled: False or a --compile-mode, ":model" for --compile-scope model; tile: the BlockMask's (--mask-tile)
+@pytest.mark.parametrize(("compiled", "split", "tile", "kernel"), [
+    (False, False, 128, "default"), ("default", False, 128, "default"), (False, True, 128, "default"),
+    ("default", True, 128, "default"), ("default:model", False, 128, "default"), ("default", False, 128, "tuned"),
+    ("default:model", False, 128, "tuned"), ("max-autotune-no-cudagraphs", False, 128, "default"),
+    ("max-autotune-no-cudagraphs", False, 64, "default"), ("max-autotune-no-cudagraphs", False, 32, "default")])
+def test_flex_attention_step_equals_dense_step(compiled, split, tile, kernel):
+    # compiled: False or a --compile-mode, ":model" for --compile-scope model; tile: the BlockMask's (--mask-tile);
+    # kernel: --flex-kernel
     g = torch.Generator().manual_seed(0)
     dc = DrafterConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                        vocab_size=500, num_taps=3, block_size=8, mask_token_id=499)
@@ -37,7 +39,7 @@ def test_flex_attention_step_equals_dense_step(compiled, split, tile):
         if compiled and use_flex:
             model.compile_layers(*compiled.split(":"))
         out = forward_backward(model, batch, LossSettings(block_size=dc.block_size, gamma=4.0, use_flex=use_flex,
-                                                          split_blocks=split and use_flex, mask_tile=tile,
+                                                          split_blocks=split and use_flex, mask_tile=tile, flex_kernel=kernel,
                                                           context_tile=0 if tile != 128 else 1))
         losses.append(float(out["loss"]))
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))

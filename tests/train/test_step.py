@@ -109,7 +109,7 @@ def test_the_mask_tile_shapes_the_block_mask_and_the_context_padding(tile):
         forward_backward(model, batch, LossSettings(block_size=DC.block_size, gamma=4.0, use_flex=True,
                                                     context_tile=0, mask_tile=tile))
     assert seen["t"] == -(-300 // tile) * tile
-    assert seen["mask"].BLOCK_SIZE == (tile, tile)
+    assert seen["mask"].block.BLOCK_SIZE == (tile, tile) and seen["mask"].options is None
 
 
 def test_train_mask_tile_maps_onto_the_loss_and_refuses_what_the_kernels_cannot_take(tmp_path):
