@@ -258,11 +258,7 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     b, q, h = hidden.shape
-    if torch.is_autocast_enabled(hidden.device.type):
-        # the dtype every chunk's matmul would cast the frozen head to, once (the same values)
-        lm_head = lm_head.to(torch.get_autocast_dtype(hidden.device.type))
-    elif lm_head.dtype != hidden.dtype:
-        lm_head = lm_head.to(hidden.dtype)  # CPU float32 training over a bf16 store
+    lm_head = _head_dtype(lm_head, hidden)
     slot = torch.arange(q, device=hidden.device) % block_size
     keep = labels != IGNORE
     rows, lab, s = hidden[keep], labels[keep], slot.expand(b, q)[keep]
@@ -286,6 +282,14 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     if replay:
         out["accepts"] = block_accepts(dense)
     return out
+
+
+def _head_dtype(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The frozen lm_head in the dtype its matmuls run in: autocast's, cast once here rather than
+    by every chunk's matmuls (the same values), else the rows' (CPU float32 over a bf16 store)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return lm_head.to(torch.get_autocast_dtype(hidden.device.type))
+    return lm_head.to(hidden.dtype)
 
 
 def _weighted_mean(row_loss, hit, keep, in_vocab, weighting: Weighting, anchors, spans, *,

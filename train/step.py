@@ -92,8 +92,10 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
             if loss.use_flex else dense_context_mask(batch["anchors"], t, loss.block_size)
         mask = SplitMask(context, loss.block_size)
     elif loss.use_flex:
-        mask = FlexMask(flex_block_mask(batch["anchors"], t, loss.block_size, loss.mask_tile),
-                        FLEX_KERNELS[loss.flex_kernel])
+        mask = flex_block_mask(batch["anchors"], t, loss.block_size, loss.mask_tile)
+        options = FLEX_KERNELS[loss.flex_kernel]
+        if options is not None:  # inductor's own tiles take the bare mask
+            mask = FlexMask(mask, options)
     else:
         mask = dense_mask(batch["anchors"], t, loss.block_size)
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

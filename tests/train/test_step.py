@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from train.anchors import build_blocks, sample_anchors
-from train.masks import FLEX_TILE, block_tiles
+from train.masks import FLEX_KERNELS, FLEX_TILE, block_tiles
 from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings, fitted_steps, forward_backward
 
@@ -109,7 +109,11 @@ def test_the_mask_tile_shapes_the_block_mask_and_the_context_padding(tile):
         forward_backward(model, batch, LossSettings(block_size=DC.block_size, gamma=4.0, use_flex=True,
                                                     context_tile=0, mask_tile=tile))
     assert seen["t"] == -(-300 // tile) * tile
-    assert seen["mask"].block.BLOCK_SIZE == (tile, tile) and seen["mask"].options is None
+    assert seen["mask"].BLOCK_SIZE == (tile, tile)  # inductor's own kernel tiles: the bare BlockMask
+    with pytest.raises(StopIteration):  # --flex-kernel tuned: the mask travels with its kernel options
+        forward_backward(model, batch, LossSettings(block_size=DC.block_size, gamma=4.0, use_flex=True,
+                                                    context_tile=0, mask_tile=tile, flex_kernel="tuned"))
+    assert seen["mask"].block.BLOCK_SIZE == (tile, tile) and seen["mask"].options == FLEX_KERNELS["tuned"]
 
 
 def test_train_mask_tile_maps_onto_the_loss_and_refuses_what_the_kernels_cannot_take(tmp_path):
