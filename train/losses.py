@@ -237,12 +237,11 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     distribution is the soft label for token p+k, weighted kl_weight against CE through
     `divergence` (kl: forward KL, tv: total variation). `confidence_penalty` beta subtracts beta
     times the drafter's entropy from each row's loss (Pereyra et al. 2017), so its runners-up keep
-    some probability for a draft tree's siblings. `backward` picks how the chunks' gradients are
-    made: "fused" forms each chunk's row gradient in the forward pass (no logits kept, no extra
-    matmul), "recompute" checkpoints each chunk (its logits are rebuilt in backward: one more
-    lm_head matmul), "keep" leaves every chunk's logits alive until backward (most memory).
-    `compiled` runs the fused path's per-chunk softmax and gradient through torch.compile;
-    `ce_kernel` "liger" runs them by Liger's kernel instead (train.liger_ce: plain CE on a GPU).
+    some probability for a draft tree's siblings. `backward`: "fused" forms each chunk's row
+    gradient in the forward pass (no logits kept, no extra matmul), "recompute" checkpoints each
+    chunk (one more lm_head matmul in backward), "keep" keeps every chunk's logits (most memory).
+    `ce_kernel` "torch" forms the fused path's per-chunk softmax and gradient by ours (compiled
+    with `compiled`), "liger" by Liger's kernel (train.liger_ce: plain CE on a GPU).
 
     The row weights are the position decay exp(-(k-1)/gamma) unless `weighting` asks for
     decode-aware ones, built from this forward's own hits (train.replay): `anchors` and `spans`
@@ -267,10 +266,10 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     if kl_weight > 0 and tea is None:
         raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state "
                          "(extract with --last-hidden)")
-    bias = (bias_rows[keep], bias_head) if bias_rows is not None else None
+    bias = (bias_rows[keep], bias_head) if bias_rows is not None else None  # [n, r], [V, r]
+    grad_fn = _chunk_grad(ce_kernel, compiled)  # the fused path's per-chunk loss and gradient
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence,
-                                confidence_penalty, chunk, backward,
-                                _chunk_grad(ce_kernel, compiled), bias)
+                                confidence_penalty, chunk, backward, grad_fn, bias)
     hit = hit & in_vocab
     loss, wsum, dense = _weighted_mean(row_loss, hit, keep, in_vocab, weighting or Weighting(),
                                        anchors, spans, block_size=block_size, gamma=gamma,
