@@ -29,7 +29,9 @@ if [ -f .devcarry/inductor.tgz ] && [ ! -d /root/inductor ]; then mkdir -p /root
 SHAPE=${SHAPE:-qwen3-8b}  # qwen3-32b for 8-GPU runs
 XB="--shape $SHAPE --batches 24 --batch 8 --seq 2048"
 TB="--shape $SHAPE --samples 24 --seq 2048 --steps 12 --warmup 3 --workers 4 --store /dev/shm/tb.zarr"
-# the H200 preset's training shape (configs/smollm2-h200), compiled, lengths 128..1024 as in the real store
+# the H200 preset's training shape (configs/smollm2-h200), compiled, lengths 128..1024 as in the real store:
+# only options an earlier commit carried as .devcarry/ref also knows (levers' ref: variants); the preset's
+# newer ones (--compile-scope model) are the variants' own
 LB=${LB:-"--shape smollm2-135m --layers 5 --block-size 8 --draft-vocab 12288 --token-budget 16384 --seq 1024 \
   --min-seq 128 --samples 256 --steps 30 --warmup 5 --rounds 2 --compile --dtype fp8_e4m3 --workers 4 \
   --store /dev/shm/tb.zarr --context-tile 0"}
@@ -76,7 +78,8 @@ levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one pro
   # each after LB, the preset's shape as the preset trains it: an empty variant is the preset itself).
   # A variant "ref:OPTIONS" runs the code carried in .devcarry/ref (`git archive REF` of the packages):
   # an earlier commit side by side with this one, in the same call
-  IFS=";" read -r -a variants <<< "${LEVERS:-;--compile-mode max-autotune-no-cudagraphs;--token-budget 32768;--loss-chunk 8192;--markov-rank 256}"
+  P="--compile-scope model"  # the preset's, since 2026-12-06
+  IFS=";" read -r -a variants <<< "${LEVERS:-ref:--context-tile 1;$P;$P --loss-chunk 8192 --ce-kernel liger --flex-kernel tuned;$P --loss-chunk 8192 --ce-kernel liger;$P --flex-kernel tuned}"
   for v in "${variants[@]}"; do
     code=$PWD; [[ $v == ref:* ]] && code=$PWD/.devcarry/ref
     # shellcheck disable=SC2086
