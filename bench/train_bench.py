@@ -151,7 +151,7 @@ def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | N
                       "compile_scope": a.compile_scope,
                       "loss_chunk": a.loss_chunk, "min_seq": a.min_seq,
                       "context_tile": a.context_tile, "mask_tile": a.mask_tile, "flex_kernel": a.flex_kernel,
-                      "ce_kernel": a.ce_kernel, "split_blocks": a.split_blocks, "markov_rank": a.markov_rank,
+                      "ce_kernel": a.ce_kernel, "residual_dtype": a.residual_dtype, "split_blocks": a.split_blocks, "markov_rank": a.markov_rank,
                       "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
                       "ratio": t_mem / t_store, "data_wait_frac": statistics.median(waits["store"]),
@@ -195,6 +195,8 @@ def _parser() -> argparse.ArgumentParser:
                     "context to FlexAttention's tile on a GPU, 1 never pads")
     ap.add_argument("--split-blocks", action="store_true", help="as --split-blocks in train")
     ap.add_argument("--flex-kernel", default="default", choices=FLEX_KERNEL_NAMES, help="as --flex-kernel in train")
+    ap.add_argument("--residual-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="as --residual-dtype in train")
     ap.add_argument("--ce-kernel", default="torch", choices=CE_KERNELS, help="as --ce-kernel in train")
     ap.add_argument("--mask-tile", type=int, default=128, choices=MASK_TILES, help="as --mask-tile in train (below "
                     "128 with a max-autotune --compile-mode)")
@@ -219,7 +221,7 @@ def _setup(a, dev: torch.device):
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), use_flex=dev.type == "cuda",
                         chunk=a.loss_chunk, backward=a.loss_backward, compiled=a.compile, context_tile=a.context_tile,
                         split_blocks=a.split_blocks, mask_tile=a.mask_tile,
-                        flex_kernel=a.flex_kernel, ce_kernel=a.ce_kernel)
+                        flex_kernel=a.flex_kernel, ce_kernel=a.ce_kernel, residual=a.residual_dtype)
     return dc, model, opt, ds, loss
 
 

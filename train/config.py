@@ -212,6 +212,10 @@ class TrainConfig:
     compile_scope: str = "layers"
     """What --compile compiles of the drafter: each layer (default), or the whole training
     forward as one graph, the context's projection, norms and RoPE and the final norm included."""
+    residual_dtype: str = "float32"
+    """The drafter's residual stream under the GPU's bf16 autocast: float32 (the weights', default)
+    or bfloat16 (half the bytes of the elementwise kernels around the layers; changes the numerics,
+    so it is judged by τ at equal steps as well as by speed). No effect on a CPU."""
     flex_kernel: str = "default"
     """FlexAttention's kernel tiles: default (inductor's) or tuned (what max-autotune picked for the
     H200 preset's step, without its minutes of autotuning: train.masks.FLEX_KERNELS)."""
@@ -330,7 +334,8 @@ class TrainConfig:
                               ("attention", ("auto", "flex", "sdpa")),
                               ("compile_mode", COMPILE_MODES),
                               ("compile_scope", COMPILE_SCOPES), ("ce_kernel", CE_KERNELS),
-                              ("flex_kernel", FLEX_KERNEL_NAMES)):
+                              ("flex_kernel", FLEX_KERNEL_NAMES),
+                              ("residual_dtype", ("float32", "bfloat16"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {tuple(allowed)}, got "
                                  f"{getattr(self, name)!r}")

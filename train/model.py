@@ -185,17 +185,22 @@ class DFlashDrafter(nn.Module):
                 for layer in self.layers]
 
     def forward(self, taps: torch.Tensor, ctx_pos: torch.Tensor, block_ids: torch.Tensor,
-                block_pos: torch.Tensor, mask: torch.Tensor | object | None) -> torch.Tensor:
+                block_pos: torch.Tensor, mask: torch.Tensor | object | None,
+                residual: torch.dtype | None = None) -> torch.Tensor:
         """Training: taps [B, T, K*H], ctx_pos [B, T], blocks [B, Q], mask [B, Q, T+Q] -> hidden [B,
-        Q, H]."""
-        return self.draft(block_ids, block_pos, self.context_kv(taps, ctx_pos), mask)
+        Q, H]. residual: the blocks' residual stream's dtype under autocast (None: the weights')."""
+        return self.draft(block_ids, block_pos, self.context_kv(taps, ctx_pos), mask, residual)
 
     def draft(self, block_ids: torch.Tensor, block_pos: torch.Tensor,
               ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
-              mask: torch.Tensor | object | None) -> torch.Tensor:
+              mask: torch.Tensor | object | None, residual: torch.dtype | None = None
+              ) -> torch.Tensor:
         """block_ids, block_pos [B, Q]; mask [B, Q, T+Q] bool (True = may attend) -> hidden [B, Q,
-        H]."""
-        x = F.embedding(block_ids, self.embed_tokens).to(self.fc.weight.dtype)
+        H]. residual: as in forward; without autocast the stream stays in the weights' dtype (the
+        layers' matmuls need it)."""
+        if residual is None or not torch.is_autocast_enabled(block_ids.device.type):
+            residual = self.fc.weight.dtype
+        x = F.embedding(block_ids, self.embed_tokens).to(residual)
         cos, sin = rope_cos_sin(block_pos, self.c.head_dim, self.c.rope_theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer, (k, v) in zip(self.layers, ctx_kv):

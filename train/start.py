@@ -293,7 +293,7 @@ def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> 
                         use_flex=use_flex_attention(cfg.attention, device.type, dc.head_dim),
                         split_blocks=cfg.split_blocks, context_tile=cfg.context_tile,
                         mask_tile=cfg.mask_tile, flex_kernel=cfg.flex_kernel,
-                        ce_kernel=cfg.ce_kernel,
+                        ce_kernel=cfg.ce_kernel, residual=cfg.residual_dtype,
                         chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile,
                         weighting=Weighting(position=cfg.position_weights,
                                             visit_weight=cfg.visit_weight))

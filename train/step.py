@@ -63,6 +63,9 @@ class LossSettings:
     context_tile: int = 1
     """Pad the context with hidden keys to a multiple of this many tokens, so the draft blocks start
     on a FlexAttention tile: 0 = mask_tile with use_flex, none without; 1 = never (default)."""
+    residual: str = "float32"
+    """The drafter's residual stream under autocast: float32 (the weights') or bfloat16 (half the
+    bytes its elementwise kernels move; not exact)."""
     flex_kernel: str = "default"
     """FlexAttention's kernel tiles: inductor's defaults, or "tuned" (train.masks.FLEX_KERNELS)."""
     mask_tile: int = FLEX_TILE
@@ -100,7 +103,9 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
         mask = dense_mask(batch["anchors"], t, loss.block_size)
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
-        hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask)  # [b, Q, H]
+        residual = getattr(torch, loss.residual) if loss.residual != "float32" else None
+        # [b, Q, H]
+        hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask, residual)
         labels = core.labels(batch["labels"], IGNORE)  # [b, Q] lm_head rows
         mh, head_terms = core.markov_head, {}
         # each slot's true previous token, embedded: teacher forcing (train.markov_head)

@@ -124,10 +124,37 @@ def test_train_mask_tile_maps_onto_the_loss_and_refuses_what_the_kernels_cannot_
     assert loss_settings(TrainConfig(**base), torch.device("cpu"), DC).mask_tile == FLEX_TILE
     tuned = TrainConfig(**base, mask_tile=64, compile=True, compile_mode="max-autotune-no-cudagraphs")
     assert loss_settings(tuned, torch.device("cpu"), DC).mask_tile == 64
+    assert loss_settings(TrainConfig(**base, residual_dtype="bfloat16"), torch.device("cpu"), DC).residual == "bfloat16"
+    with pytest.raises(ValueError, match="residual_dtype must be one of"):
+        TrainConfig(**base, residual_dtype="float16")
     with pytest.raises(ValueError, match="mask_tile must be one of"):
         TrainConfig(**base, mask_tile=48)
     with pytest.raises(ValueError, match="mask_tile 64 needs --compile with a max-autotune"):
         TrainConfig(**base, mask_tile=64)
+
+
+def test_a_bfloat16_residual_stream_reaches_every_layer_under_autocast_only_and_stays_close():
+    """--residual-dtype bfloat16: under autocast the blocks' stream enters each layer in bf16 (the
+    elementwise kernels move half the bytes), close to the float32 stream's result; without
+    autocast (the CPU path) the stream keeps the weights' dtype, which the layers' matmuls need."""
+    from train.masks import dense_mask
+
+    batch = _batch(torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    model = DFlashDrafter(DC, torch.randn(300, 64, generator=g), torch.randn(300, 64, generator=g))
+    seen = []
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    t = batch["hidden"].shape[1]
+    args = (batch["hidden"], torch.arange(t)[None].expand(2, t), batch["block_ids"], batch["block_pos"],
+            dense_mask(batch["anchors"], t, DC.block_size))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        wide, narrow = model(*args), model(*args, torch.bfloat16)
+    assert seen == [torch.float32] * 2 + [torch.bfloat16] * 2 and narrow.dtype == torch.bfloat16
+    assert float((narrow.float() - wide).norm() / wide.norm()) < 3e-2
+    seen.clear()
+    with torch.no_grad():
+        assert model(*args, torch.bfloat16).dtype == torch.float32 and seen == [torch.float32] * 2
 
 
 def _fitted_by_loop(step, left, step_s, pause_s, every, cap):
