@@ -38,6 +38,7 @@ from train.config import (
     FLEX_KERNEL_NAMES,
     LOSS_BACKWARDS,
     MASK_TILES,
+    RESIDUAL_DTYPES,
 )
 from train.data import BatchDataset, CollateSettings, plan_epoch, to_device
 from train.losses import default_gamma
@@ -195,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
                     "context to FlexAttention's tile on a GPU, 1 never pads")
     ap.add_argument("--split-blocks", action="store_true", help="as --split-blocks in train")
     ap.add_argument("--flex-kernel", default="default", choices=FLEX_KERNEL_NAMES, help="as --flex-kernel in train")
-    ap.add_argument("--residual-dtype", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--residual-dtype", default="float32", choices=RESIDUAL_DTYPES,
                     help="as --residual-dtype in train")
     ap.add_argument("--ce-kernel", default="torch", choices=CE_KERNELS, help="as --ce-kernel in train")
     ap.add_argument("--mask-tile", type=int, default=128, choices=MASK_TILES, help="as --mask-tile in train (below "

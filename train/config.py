@@ -33,6 +33,8 @@ COMPILE_SCOPES = ("layers", "model")
 CE_KERNELS = ("torch", "liger")
 # FlexAttention kernel options by name (train.masks.FLEX_KERNELS holds them).
 FLEX_KERNEL_NAMES = ("default", "tuned")
+# The drafter's residual stream under autocast (train.model.DFlashDrafter.draft).
+RESIDUAL_DTYPES = ("float32", "bfloat16")
 # FlexAttention BlockMask tiles (train.masks): inductor's one default kernel takes 128-row tiles, so
 # a smaller one needs the autotuned modes, whose candidates include 32- and 64-row kernels.
 MASK_TILES = (32, 64, 128)
@@ -234,7 +236,7 @@ class TrainConfig:
     """Draft positions per lm_head + loss chunk (logits exist for one chunk at a time)."""
     ce_kernel: str = "torch"
     """The fused loss's per-chunk softmax and gradient: torch (ours; compiled with --compile) or
-    liger (Liger's Triton kernel, `pip install liger-kernel`; plain CE on a GPU:
+    liger (Liger's Triton kernel, `pip install 'draftcache[liger]'`; plain CE on a GPU:
     train.liger_ce)."""
     loss_backward: str = "fused"
     """How the lm_head chunks get their gradients: fused (formed in the forward pass; no logits
@@ -335,7 +337,7 @@ class TrainConfig:
                               ("compile_mode", COMPILE_MODES),
                               ("compile_scope", COMPILE_SCOPES), ("ce_kernel", CE_KERNELS),
                               ("flex_kernel", FLEX_KERNEL_NAMES),
-                              ("residual_dtype", ("float32", "bfloat16"))):
+                              ("residual_dtype", RESIDUAL_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {tuple(allowed)}, got "
                                  f"{getattr(self, name)!r}")
@@ -365,5 +367,4 @@ RESUME_FREE = ("store", "cache_dir", "resume", "resume_from",
                "epochs", "log_every", "checkpoint_every", "keep_checkpoints", "workers",
                "val_every", "patience", "loss_chunk", "loss_backward", "grad_reduce",
                "follow", "compile", "compile_mode", "compile_scope", "mask_tile", "flex_kernel",
-               "ce_kernel",
-               "out")
+               "ce_kernel", "out")
