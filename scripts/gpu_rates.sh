@@ -83,8 +83,11 @@ levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one pro
   for v in "${variants[@]}"; do
     code=$PWD; [[ $v == ref:* ]] && code=$PWD/.devcarry/ref
     # shellcheck disable=SC2086
-    (cd "$code" && PYTHONPATH=/root/site:$code timeout ${TLEVER:-300} python3 -m bench.train_bench $LB ${v#ref:}) 2>&1 \
-      | grep '^{' | sed "s|^{|{\"variant\": \"$v\", |" | tee -a "$OUT/levers.jsonl"
+    (cd "$code" && PYTHONPATH=/root/site:$code timeout ${TLEVER:-300} python3 -m bench.train_bench $LB ${v#ref:}) \
+      > /tmp/lever.log 2>&1
+    echo "rc $? variant: $v" >> "$OUT/levers_logs.log"  # 124: cut by TLEVER; each run's tail, one file
+    grep -v '^{' /tmp/lever.log | tail -n 8 >> "$OUT/levers_logs.log"
+    grep '^{"shape"' /tmp/lever.log | sed "s|^{|{\"variant\": \"$v\", |" | tee -a "$OUT/levers.jsonl"
   done
   ;;
 levprofile)  # 1 GPU: the preset's shape under torch.profiler, the top CUDA ops of 3 steps (LEVERS' first variant)
