@@ -334,8 +334,9 @@ class Trainer:
         """Train from `state` (Trainer.resume's) to the run's end; returns its summary."""
         self._begin(state)
         cfg = self.cfg
+        drafter = "the drafter layers" if cfg.compile_scope == "layers" else "the whole drafter"
         compiled = [name for name, on in (("FlexAttention", self.loss.use_flex),
-                                          ("the drafter layers", cfg.compile)) if on]
+                                          (drafter, cfg.compile)) if on]
         if self.rank == 0 and compiled:  # a silent first step of minutes looks like a hang
             print(f"the first step compiles {' and '.join(compiled)} (minutes on a machine's first "
                   "run; the inductor cache makes later runs quick)", flush=True)
