@@ -79,7 +79,7 @@ levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one pro
   # A variant "ref:OPTIONS" runs the code carried in .devcarry/ref (`git archive REF` of the packages):
   # an earlier commit side by side with this one, in the same call
   P="--compile-scope model"  # the preset's, since 2026-12-06
-  IFS=";" read -r -a variants <<< "${LEVERS:-ref:--context-tile 1;$P;$P --loss-chunk 8192 --ce-kernel liger --flex-kernel tuned;$P --loss-chunk 8192 --ce-kernel liger;$P --flex-kernel tuned;$P --residual-dtype bfloat16;$P --split-blocks}"
+  IFS=";" read -r -a variants <<< "${LEVERS:-ref:--context-tile 1;$P;$P --loss-chunk 8192 --ce-kernel liger --flex-kernel tuned;$P --loss-chunk 8192 --ce-kernel liger;$P --flex-kernel tuned;$P --residual-dtype bfloat16}"
   for v in "${variants[@]}"; do
     code=$PWD; [[ $v == ref:* ]] && code=$PWD/.devcarry/ref
     # shellcheck disable=SC2086
