@@ -106,11 +106,11 @@ class DraftLayer(nn.Module):
             o = split_attention(q, k, v, ctx_k, ctx_v, mask, flex=_flex())
         else:
             k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # [B, nkv, T+Q, hd]
-            if isinstance(mask, FlexMask):  # a FlexAttention BlockMask and its kernel options
-                o = _flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask.block, enable_gqa=True,
-                            kernel_options=mask.options)
-            elif mask is not None and not isinstance(mask, torch.Tensor):  # a bare BlockMask
-                o = _flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=mask, enable_gqa=True)
+            if mask is not None and not isinstance(mask, torch.Tensor):  # a FlexAttention BlockMask
+                # bare, or with its kernel options (None: inductor's own)
+                block, options = mask if isinstance(mask, FlexMask) else (mask, None)
+                o = _flex()(q, k.to(q.dtype), v.to(q.dtype), block_mask=block, enable_gqa=True,
+                            kernel_options=options)
             else:
                 rep = self.c.num_heads // self.c.num_kv_heads
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
