@@ -33,7 +33,8 @@
 # all, and open requests invented, default 12000), GGUF (default: the packaged
 # model, found by importlib); VAL_STORE (train's --val-store instead of --val-samples VAL; the valstore
 # stage writes /dev/shm/val.zarr of VAL_PER_DOMAIN prompts a domain, default 32, 0 = all 264); for a CPU
-# dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS, VAL_LIMIT (1000, 6, 48, 16384, 0 = all).
+# dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS, VAL_LIMIT (1000, 6, 48, 16384, 0 = all); TORCH_LOGS (train's,
+# default recompiles: why torch.compile compiled again mid-run, brought back as recompiles.txt).
 # Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
 set -uo pipefail
 stage=$1
@@ -55,6 +56,8 @@ pack() {  # metrics, eval.json, log tail and the drafter's bf16 export into $OUT
     split -b 15M -d -a 1 "$W/export/model.safetensors" "$out/export.safetensors.part-"
   fi
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 40 > "$out/train_log_tail.txt"
+  # what made torch.compile compile again mid-run (train's TORCH_LOGS=recompiles): a row of low rate
+  grep -h -A3 "Recompiling" "$W/train.log" | cut -c1-400 > "$out/recompiles.txt" 2>/dev/null
   ls -la "$out"
 }
 case $stage in
@@ -86,7 +89,7 @@ PY
 train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
   held=(--val-samples "${VAL:-1000}"); [ -n "${VAL_STORE:-}" ] && held=(--val-samples 0 --val-store "$VAL_STORE")
-  timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
+  TORCH_LOGS=${TORCH_LOGS-recompiles} timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
     --store "$STORE" --out "$RUN" --max-steps "${STEPS:-10000}" --time-limit "${TLIM:-480}" --lr "${LR:-1.2e-3}" \
     --token-budget "${TOKENS:-16384}" "${held[@]}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \
     $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1

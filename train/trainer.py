@@ -236,6 +236,9 @@ class Trainer:
                "lr": self.sched.get_last_lr()[0], "acc": acc, "sim_tau": acceptance_from_acc(acc),
                "positions_per_s": float(s["positions"]) / dt,
                "data_wait_frac": float(s["wait"]) / self.world_size / dt,
+               # wall seconds since this process's trainer began: the rates leave out held-out
+               # passes and saving, this does not (a wall-clock comparison between runs needs it)
+               "elapsed_s": time.time() - self.t_start,
                **({"planned_steps": self.total} if self.cfg.schedule_seconds else {})}
         self.log.write(row)
         self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['sim_tau']:.2f}")

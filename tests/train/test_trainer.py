@@ -25,7 +25,11 @@ def test_loss_falls_well_below_start(store, tmp_path):
     rows = metric_rows(tmp_path / "r")
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"], (rows[0]["loss"], rows[-1]["loss"])
     assert rows[-1]["sim_tau"] > rows[0]["sim_tau"]
-    assert {"step", "epoch", "loss", "lr", "acc", "sim_tau", "positions_per_s", "data_wait_frac"} <= set(rows[-1])
+    assert {"step", "epoch", "loss", "lr", "acc", "sim_tau", "positions_per_s", "data_wait_frac",
+            "elapsed_s"} <= set(rows[-1])
+    # the process's wall clock, one per row, only grows
+    walls = [r["elapsed_s"] for r in rows]
+    assert walls == sorted(walls) and walls[0] > 0
     assert len(rows[-1]["acc"]) == 3 and (tmp_path / "r" / "loss.png").exists() and (tmp_path / "r" / "sim_tau.png").exists()
 
 
