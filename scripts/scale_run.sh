@@ -13,6 +13,7 @@
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
 #   bash scripts/scale_run.sh eval      # the served export (bf16) against the float32 target, 48 held-out prompts
+#   bash scripts/scale_run.sh evals     # RUNS="DIR DIR": those runs' exports decoded at once, one table of τ
 #   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
 #   bash scripts/scale_run.sh peers     # speculators' drafter on a subset, decoded as ours (PEER_* settings);
 #                                       # ours on the same store: STORE=/dev/shm/peers.zarr RUN=... `train` and `eval`
@@ -59,6 +60,26 @@ pack() {  # metrics, eval.json, log tail and the drafter's bf16 export into $OUT
   # what made torch.compile compile again mid-run (train's TORCH_LOGS=recompiles): a row of low rate
   grep -h -A3 "Recompiling" "$W/train.log" | cut -c1-400 > "$out/recompiles.txt" 2>/dev/null
   ls -la "$out"
+}
+export_run() {  # a run's export beside the others: $W/x-<its directory's name>; prints its path
+  # shellcheck disable=SC2086
+  python3 -m train.export --run "$1" --out "$W/x-$(basename "$1")" --overwrite ${EXPORT_ARGS:-} > /dev/null \
+    && echo "$W/x-$(basename "$1")"
+}
+decode_at_once() {  # OUT_DIR EXPORT...: each export decoded at the same time, one process each on the one
+  # GPU; their τ are figures, their speedups are not (they share the card); then one table of τ per
+  # domain, chain and trees (bench/peers_table.py)
+  local out=$1; shift
+  local ev=(--limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 ${EVAL_ARGS:---no-prompt-lookup --tree-budget 0,512}
+    --json "${TARGET[@]}")
+  local pids=() pairs=() e i n
+  for e in "$@"; do python3 -m train.eval --export "$e" "${ev[@]}" > "$e.eval.log" 2>&1 & pids+=($!); done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"; e=${*:$((i + 1)):1}; n=$(basename "$e")
+    echo "== $n"; tail -n 1 "$e.eval.log" | cut -c1-1500; cp "$e/eval.json" "$out/eval-$n.json" 2>/dev/null
+    [ -f "$e/eval.json" ] && pairs+=(--eval "$n=$e/eval.json")
+  done
+  [ ${#pairs[@]} -gt 0 ] && python3 -m bench peers table "${pairs[@]}" | tee "$out/peers_table.md"
 }
 case $stage in
 extract)
@@ -197,24 +218,13 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
   [ "${PEER_STOP:-}" = train ] && exit 0
   # each export of PEER_EVAL and of OURS (ours trained on the same store) decoded at the same time, one
   # process each on the one GPU; their τ are figures, their speedups are not (they share the card)
-  ev=(--limit "${EVAL_LIMIT:-48}" --max-new-tokens 96 ${EVAL_ARGS:---no-prompt-lookup --tree-budget 0,512}
-    --json "${TARGET[@]}")
   exports=(); for k in ${PEER_EVAL:-$kind}; do exports+=("$P/e-$k"); done
-  for r in ${OURS:-}; do  # each of our runs exported beside its peers: x-<its directory's name>
-    # shellcheck disable=SC2086
-    python3 -m train.export --run "$r" --out "$W/x-$(basename "$r")" --overwrite ${EXPORT_ARGS:-} > /dev/null || exit 1
-    exports+=("$W/x-$(basename "$r")")
-  done
-  pids=(); for e in "${exports[@]}"; do
-    python3 -m train.eval --export "$e" "${ev[@]}" > "$e.eval.log" 2>&1 & pids+=($!)
-  done
-  pairs=(); for i in "${!exports[@]}"; do
-    wait "${pids[$i]}"; e=${exports[$i]}; n=$(basename "$e")
-    echo "== $n"; tail -n 1 "$e.eval.log" | cut -c1-1500; cp "$e/eval.json" "$out/eval-$n.json" 2>/dev/null
-    [ -f "$e/eval.json" ] && pairs+=(--eval "$n=$e/eval.json")
-  done
-  # the one table: τ per domain of every drafter, chain and trees (bench/peers_table.py)
-  [ ${#pairs[@]} -gt 0 ] && python3 -m bench peers table "${pairs[@]}" | tee "$out/peers_table.md";;
+  for r in ${OURS:-}; do exports+=("$(export_run "$r")") || exit 1; done  # ours beside its peers
+  decode_at_once "$out" "${exports[@]}";;
+evals)  # RUNS (e.g. "/root/w/base /root/w/new"): their exports decoded at once, one table (as `peers`)
+  out=${OUT:-/tmp/out}; mkdir -p "$out"; exports=()
+  for r in ${RUNS:?RUNS: the run directories to decode}; do exports+=("$(export_run "$r")") || exit 1; done
+  decode_at_once "$out" "${exports[@]}";;
 pack) pack;;
-*) echo "stage must be formats, extract, valstore, train, eval, peers or pack" >&2; exit 2;;
+*) echo "stage must be formats, extract, valstore, train, eval, evals, peers or pack" >&2; exit 2;;
 esac
