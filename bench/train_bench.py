@@ -222,7 +222,8 @@ def _setup(a, dev: torch.device):
     loss = LossSettings(block_size=dc.block_size, gamma=default_gamma(dc.block_size), use_flex=dev.type == "cuda",
                         chunk=a.loss_chunk, backward=a.loss_backward, compiled=a.compile, context_tile=a.context_tile,
                         split_blocks=a.split_blocks, mask_tile=a.mask_tile,
-                        flex_kernel=a.flex_kernel, ce_kernel=a.ce_kernel, residual=a.residual_dtype)
+                        flex_kernel=a.flex_kernel, ce_kernel=a.ce_kernel, residual=a.residual_dtype,
+                        pad_shapes=a.compile)  # as python -m train gives a compiled drafter
     return dc, model, opt, ds, loss
 
 

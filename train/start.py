@@ -295,6 +295,7 @@ def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> 
                         mask_tile=cfg.mask_tile, flex_kernel=cfg.flex_kernel,
                         ce_kernel=cfg.ce_kernel, residual=cfg.residual_dtype,
                         chunk=cfg.loss_chunk, backward=cfg.loss_backward, compiled=cfg.compile,
+                        pad_shapes=cfg.compile,
                         weighting=Weighting(position=cfg.position_weights,
                                             visit_weight=cfg.visit_weight))
 

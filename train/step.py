@@ -29,6 +29,7 @@ from train.masks import (
 )
 from train.model import DFlashDrafter
 from train.replay import decode_visits, replay_counts, tree_accepts, visited_tree_accepts
+from train.shapes import distinct_sizes, padded_model_inputs
 
 __all__ = ["LossSettings", "StepStats", "evaluate_holdout", "fitted_steps", "forward_backward",
            "forward_loss", "lr_lambda", "make_optimizer"]
@@ -73,6 +74,10 @@ class LossSettings:
     skips more of the mostly hidden tiles at the blocks' diagonal, at smaller kernel tiles."""
     weighting: Weighting = Weighting()
     """The rows' loss weights: the fixed decay, or decode-aware ones from the step's own hits."""
+    pad_shapes: bool = False
+    """Give the drafter at least 2 rows and 2 query tiles, traced with distinct sizes
+    (train.shapes), so a compiled drafter meets no size-1 dimension nor a parting of equal sizes,
+    each of which would compile it again mid-run."""
 
 
 def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, replay: bool = False,
@@ -88,24 +93,19 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     # blocks in one kv tile instead of two, a quarter fewer tiles for the attention kernels to visit
     if taps.shape[1] % tile:
         taps = F.pad(taps, (0, 0, 0, -taps.shape[1] % tile))  # [b, T', K*H], T' a multiple of tile
+    b, q = batch["block_ids"].shape
+    ids, pos, anchors = batch["block_ids"], batch["block_pos"], batch["anchors"]
+    if loss.pad_shapes:  # [b', T', K*H], [b', Q'] x 2, [b', N']: no size-1 dimension (train.shapes)
+        taps, ids, pos, anchors = padded_model_inputs(
+            taps, ids, pos, anchors, block_size=loss.block_size, tile=loss.mask_tile)
     t = taps.shape[1]
     ctx_pos = torch.arange(t, device=taps.device)[None].expand(taps.shape[0], t)
-    if loss.split_blocks:
-        context = flex_context_mask(batch["anchors"], t, loss.block_size, loss.mask_tile) \
-            if loss.use_flex else dense_context_mask(batch["anchors"], t, loss.block_size)
-        mask = SplitMask(context, loss.block_size)
-    elif loss.use_flex:
-        mask = flex_block_mask(batch["anchors"], t, loss.block_size, loss.mask_tile)
-        options = FLEX_KERNELS[loss.flex_kernel]
-        if options is not None:  # inductor's own tiles take the bare mask
-            mask = FlexMask(mask, options)
-    else:
-        mask = dense_mask(batch["anchors"], t, loss.block_size)
+    mask = _attention_mask(anchors, t, loss)
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         residual = getattr(torch, loss.residual) if loss.residual != "float32" else None
-        # [b, Q, H]
-        hidden = model(taps, ctx_pos, batch["block_ids"], batch["block_pos"], mask, residual)
+        with distinct_sizes(loss.pad_shapes):  # [b, Q, H]: the real rows and anchors only
+            hidden = model(taps, ctx_pos, ids, pos, mask, residual)[:b, :q]
         labels = core.labels(batch["labels"], IGNORE)  # [b, Q] lm_head rows
         mh, head_terms = core.markov_head, {}
         # each slot's true previous token, embedded: teacher forcing (train.markov_head)
@@ -125,6 +125,21 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
             out["tree_accepts"] = _tree_replays(core, hidden.detach(), labels, batch,
                                                 loss.block_size, tree_budgets)
         return out
+
+
+def _attention_mask(anchors: torch.Tensor, t: int, loss: LossSettings):
+    """The drafter's attention mask for anchors [b, N] over a context of t keys, as `loss` says:
+    split (context apart from the own blocks), a FlexAttention BlockMask, or dense bool."""
+    if loss.split_blocks:
+        context = flex_context_mask(anchors, t, loss.block_size, loss.mask_tile) \
+            if loss.use_flex else dense_context_mask(anchors, t, loss.block_size)
+        return SplitMask(context, loss.block_size)
+    if not loss.use_flex:
+        return dense_mask(anchors, t, loss.block_size)
+    mask = flex_block_mask(anchors, t, loss.block_size, loss.mask_tile)
+    options = FLEX_KERNELS[loss.flex_kernel]
+    # inductor's own tiles take the bare mask
+    return mask if options is None else FlexMask(mask, options)
 
 
 def _tree_replays(core, hidden: torch.Tensor, labels: torch.Tensor, batch: dict[str, torch.Tensor],

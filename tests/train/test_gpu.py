@@ -48,6 +48,27 @@ def test_flex_attention_step_equals_dense_step(compiled, split, tile, kernel):
     assert rel < 5e-2, float(rel)
 
 
+def test_padded_shapes_under_the_whole_graph_compile_equal_the_dense_step_for_one_short_row():
+    # one row with 3 anchors: train.shapes pads it to 2 rows and 2 query tiles for the compiled graph
+    g = torch.Generator().manual_seed(0)
+    dc = DrafterConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       vocab_size=500, num_taps=3, block_size=8, mask_token_id=499)
+    emb, head = torch.randn(500, 128, generator=g) * 0.5, torch.randn(500, 128, generator=g) * 0.5
+    out = cpu_batch(g, lens=(90,), n=3, dc=dc)
+    batch = {k: (v.bfloat16() if k == "hidden" else v).cuda() for k, v in out.items()}
+    losses, grads = [], []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = DFlashDrafter(dc, emb, head).cuda()
+        if compiled:
+            model.compile_layers("default", "model")
+        out = forward_backward(model, batch, LossSettings(block_size=8, gamma=4.0, use_flex=compiled, pad_shapes=compiled))
+        losses.append(float(out["loss"]))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert abs(losses[0] - losses[1]) < 2e-2 * abs(losses[0]), losses
+    assert (grads[0] - grads[1]).norm() / grads[0].norm() < 5e-2
+
+
 def test_flex_block_mask_equals_dense_mask_on_gpu():
     anchors = torch.tensor([[1, 20, 30, -1], [31, 5, 2, 7]], device="cuda")
     bm = flex_block_mask(anchors, 40, 16)
