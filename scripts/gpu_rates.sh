@@ -7,6 +7,7 @@
 #   bash scripts/gpu_rates.sh profile    # 1 GPU: the same eager, with torch.profiler's top CUDA ops
 #   bash scripts/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
 #   bash scripts/gpu_rates.sh levers     # 1 GPU: the step's levers at the preset's shape (LEVERS: which)
+#   bash scripts/gpu_rates.sh recompiles # 1 GPU: how often the preset's compiled drafter compiles, padded or not
 #   bash scripts/gpu_rates.sh levprofile # 1 GPU: the preset's step under torch.profiler
 #   bash scripts/gpu_rates.sh replay losskernel  # 1 GPU: bench replay; bench loss-kernel (ours vs Liger)
 #   bash scripts/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
@@ -79,7 +80,8 @@ levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one pro
   # A variant "ref:OPTIONS" runs the code carried in .devcarry/ref (`git archive REF` of the packages):
   # an earlier commit side by side with this one, in the same call
   P="--compile-scope model"  # the preset's, since 2026-12-06
-  IFS=";" read -r -a variants <<< "${LEVERS:-ref:--context-tile 1;$P;$P --loss-chunk 8192 --ce-kernel liger --flex-kernel tuned;$P --loss-chunk 8192 --ce-kernel liger;$P --flex-kernel tuned;$P --residual-dtype bfloat16}"
+  K="--loss-chunk 8192 --ce-kernel liger --flex-kernel tuned"  # the kernels that paid on 2026-12-06
+  IFS=";" read -r -a variants <<< "${LEVERS:-ref:--context-tile 1;$P;$P $K;$P $K --residual-dtype bfloat16}"
   for v in "${variants[@]}"; do
     code=$PWD; [[ $v == ref:* ]] && code=$PWD/.devcarry/ref
     # shellcheck disable=SC2086
@@ -88,6 +90,13 @@ levers)  # 1 GPU: the training step's levers at the H200 preset's shape, one pro
     echo "rc $? variant: $v" >> "$OUT/levers_logs.log"  # 124: cut by TLEVER; each run's tail, one file
     grep -v '^{' /tmp/lever.log | tail -n 8 >> "$OUT/levers_logs.log"
     grep '^{"shape"' /tmp/lever.log | sed "s|^{|{\"variant\": \"$v\", |" | tee -a "$OUT/levers.jsonl"
+  done
+  ;;
+recompiles)  # 1 GPU: compiles of the preset's drafter over a run's micro-batch shapes, padded (train --compile's
+  # train.shapes) and not, each its own process; the inductor cache emptied for each, so both compile cold
+  for pad in --pad-shapes --no-pad-shapes; do
+    rm -rf /root/inductor_rc; TORCHINDUCTOR_CACHE_DIR=/root/inductor_rc timeout ${TRC:-280} python3 -m bench recompiles $pad 2>&1 \
+      | tail -n 1 | tee -a "$OUT/recompiles.jsonl"
   done
   ;;
 levprofile)  # 1 GPU: the preset's shape under torch.profiler, the top CUDA ops of 3 steps (LEVERS' first variant)

@@ -168,3 +168,15 @@ def test_replay_suite_times_both_paths_and_they_replay_alike():
     assert res["same_tau"] and res["tau"] > 1.2 and res["visited_blocks"] < res["blocks"] == 120
     assert res["seconds_every"] > 0 and res["seconds_visited"] > 0
 
+
+def test_recompiles_suite_counts_one_graph_padded_and_more_unpadded():
+    args = ("recompiles", "--shape", "tiny", "--layers", "1", "--backend", "eager",
+            "--shapes", "2x64x10,3x80x12,1x50x3,2x90x2")
+    graphs = []
+    for pad in ("--pad-shapes", "--no-pad-shapes"):
+        p = _bench(*args, pad)
+        assert p.returncode == 0, p.stderr[-2000:]
+        res = json.loads(p.stdout.splitlines()[-1])
+        assert [r["micro_batch"] for r in res["micro_batches"]] == ["2x64x10", "3x80x12", "1x50x3", "2x90x2"]
+        graphs.append(res["graphs"])
+    assert graphs[0] == 1 < graphs[1], graphs
