@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench.common import SHAPES, synthetic_manifest
+from bench.common import SHAPES, synced_times, synthetic_manifest
 from cache_format import (
     Manifest,
     ShardWriter,
@@ -128,6 +128,17 @@ def _rounds(variants: dict, rounds: int, dev: torch.device) -> tuple[dict, dict,
             if first_mem:
                 peak_gib = torch.cuda.max_memory_allocated() / 2**30
     return times, waits, peak_gib
+
+
+def gemm_ceiling_tflops(dev: torch.device, n: int = 8192, runs: int = 12) -> float | None:
+    """The card's measured bf16 matrix-product rate (n x n x n, median of the runs after two
+    warm-ups): the ceiling MFU is reported against. None on a CPU (the spec figure stands there)."""
+    if dev.type != "cuda":
+        return None
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    times, _ = synced_times(lambda: a @ b, dev, runs)
+    return 2 * n**3 / statistics.median(times[2:]) / 1e12
 
 
 def _profile(step, batches: list, dev: torch.device, sync) -> None:
@@ -284,7 +295,9 @@ def main() -> None:
     if a.profile:
         _profile(step, gpu[a.warmup: a.warmup + a.profile], dev, sync)
     row = _report(a, times, waits, peak_gib, positions=positions, flops=flops, model=model, dev=dev)
-    print(json.dumps({**row, "warmup_s": warmup_s}))
+    gemm = gemm_ceiling_tflops(dev)  # after the rounds: the same clocks the step ran at
+    print(json.dumps({**row, "warmup_s": warmup_s, "gemm_tflops": gemm,
+                      "mfu_vs_gemm": row["tflops_memory"] / gemm if gemm else None}))
 
 if __name__ == "__main__":
     main()
