@@ -169,14 +169,12 @@ def test_replay_suite_times_both_paths_and_they_replay_alike():
     assert res["seconds_every"] > 0 and res["seconds_visited"] > 0
 
 
-def test_recompiles_suite_counts_one_graph_padded_and_more_unpadded():
-    args = ("recompiles", "--shape", "tiny", "--layers", "1", "--backend", "eager",
-            "--shapes", "2x64x10,3x80x12,1x50x3,2x90x2")
-    graphs = []
-    for pad in ("--pad-shapes", "--no-pad-shapes"):
-        p = _bench(*args, pad)
-        assert p.returncode == 0, p.stderr[-2000:]
-        res = json.loads(p.stdout.splitlines()[-1])
-        assert [r["micro_batch"] for r in res["micro_batches"]] == ["2x64x10", "3x80x12", "1x50x3", "2x90x2"]
-        graphs.append(res["graphs"])
-    assert graphs[0] == 1 < graphs[1], graphs
+def test_recompiles_suite_counts_the_graphs_after_each_micro_batch():
+    # one row alone and two anchors among them: padded, nothing compiles after the first (unpadded,
+    # more would: tests/train/test_shapes.py)
+    p = _bench("recompiles", "--shape", "tiny", "--layers", "1", "--backend", "eager",
+               "--shapes", "2x64x10,3x80x12,1x50x3,2x90x2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.splitlines()[-1])
+    assert [r["micro_batch"] for r in res["micro_batches"]] == ["2x64x10", "3x80x12", "1x50x3", "2x90x2"]
+    assert [r["graphs"] for r in res["micro_batches"]] == [1, 1, 1, 1] and res["pad_shapes"]
