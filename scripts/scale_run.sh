@@ -113,7 +113,8 @@ train)
   TORCH_LOGS=${TORCH_LOGS-recompiles} timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
     --store "$STORE" --out "$RUN" --max-steps "${STEPS:-10000}" --time-limit "${TLIM:-480}" --lr "${LR:-1.2e-3}" \
     --token-budget "${TOKENS:-16384}" "${held[@]}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \
-    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile) "${resume[@]}" ${TRAIN_ARGS:-} > "$W/train.log" 2>&1
+    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile --compile-scope layers) "${resume[@]}" ${TRAIN_ARGS:-} \
+    > "$W/train.log" 2>&1  # a CPU dry run compiles nothing: the preset's whole-graph scope needs --compile
   echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
   grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | python3 -c 'import json,sys
