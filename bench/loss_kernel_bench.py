@@ -17,13 +17,13 @@ and a GPU (they are left out, and said so, where either is missing).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 
 import torch
 
 from bench.common import synced_times
+from train.liger_ce import liger_available
 from train.losses import _chunk_grad, _row_losses
 
 __all__ = ["main"]
@@ -59,7 +59,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    liger = dev.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    liger = dev.type == "cuda" and liger_available()
     g = torch.Generator().manual_seed(0)
     lm_head = (torch.randn(a.vocab, a.hidden, generator=g) / a.hidden ** 0.5).to(dev, dtype)
     base = torch.randn(a.rows, a.hidden, generator=g).to(dev, dtype)

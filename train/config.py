@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.numbers import check_numbers
+from train.liger_ce import liger_available
 
 __all__ = ["TrainConfig"]
 
@@ -323,7 +324,7 @@ class TrainConfig:
             raise ValueError("ce_kernel liger computes plain cross-entropy in the fused backward: "
                              "not with --loss kl/mix, --confidence-penalty, --markov-rank or "
                              f"--loss-backward {self.loss_backward}")
-        if importlib.util.find_spec("liger_kernel") is None:
+        if not liger_available():
             raise ValueError("ce_kernel liger needs the liger-kernel package: pip install "
                              "'draftcache[liger]'")
 

@@ -14,15 +14,17 @@ weight. The kernel's arguments are those of liger-kernel 0.8.5 (the pinned optio
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["LIGER_VERSION", "liger_available", "liger_head_grad"]
-
-LIGER_VERSION = "0.8.5"
+__all__ = ["liger_available", "liger_head_grad"]
 
 
 def liger_available() -> bool:
+    """Whether the liger-kernel package is installed (found, not imported: train.config asks
+    without loading torch)."""
     return importlib.util.find_spec("liger_kernel") is not None
 
 
@@ -35,6 +37,7 @@ def liger_head_grad(logits: torch.Tensor, labels: torch.Tensor, t_logits, kl_wei
     if t_logits is not None or kl_weight or penalty:
         raise ValueError("--ce-kernel liger computes plain cross-entropy only (no soft labels, no "
                          "confidence penalty)")
+    import torch
     from liger_kernel.ops.cross_entropy import MAX_FUSED_SIZE, liger_cross_entropy_kernel
 
     logits = logits.contiguous()
