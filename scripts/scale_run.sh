@@ -222,9 +222,11 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
   exports=(); for k in ${PEER_EVAL:-$kind}; do exports+=("$P/e-$k"); done
   for r in ${OURS:-}; do exports+=("$(export_run "$r")") || exit 1; done  # ours beside its peers
   decode_at_once "$out" "${exports[@]}";;
-evals)  # RUNS (e.g. "/root/w/base /root/w/new"): their exports decoded at once, one table (as `peers`)
+evals)  # RUNS (e.g. "/root/w/base /root/w/new", or export directories): decoded at once, one table (as `peers`)
   out=${OUT:-/tmp/out}; mkdir -p "$out"; exports=()
-  for r in ${RUNS:?RUNS: the run directories to decode}; do exports+=("$(export_run "$r")") || exit 1; done
+  for r in ${RUNS:?RUNS: the run directories to decode}; do  # or export directories, decoded as they are
+    if [ -f "$r/model.safetensors" ]; then exports+=("$r"); else exports+=("$(export_run "$r")") || exit 1; fi
+  done
   decode_at_once "$out" "${exports[@]}";;
 pack) pack;;
 *) echo "stage must be formats, extract, valstore, train, eval, evals, peers or pack" >&2; exit 2;;
