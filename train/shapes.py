@@ -6,8 +6,9 @@ broadcasts), so the first micro-batch of one sample, or with so few anchors that
 one FlexAttention tile, compiles the whole drafter again: tens of seconds for the training graph,
 forward and backward, in the middle of a run. A length bucket's last micro-batch is often that
 small. Padding such a micro-batch to two rows and two query tiles costs a little compute on a rare
-step instead of those compiles (a GPU's inductor may still guard on sizes of its own). The padded rows and anchors are padding as the collate makes it (anchor -1,
-no label), and the drafter's output is cut back to the real rows before the loss.
+step instead of those compiles (a GPU's inductor may still guard on sizes of its own). The padded
+rows and anchors are padding as the collate makes it (anchor -1, no label), and the drafter's
+output is cut back to the real rows before the loss.
 
 Sizes that happen to be equal in the first micro-batch (two rows and two query tiles, say) are
 otherwise taken for one size ("duck sizing"), and the graph compiles again when they part:
