@@ -227,6 +227,8 @@ evals)  # RUNS (e.g. "/root/w/base /root/w/new", or export directories): decoded
   for r in ${RUNS:?RUNS: the run directories to decode}; do  # or export directories, decoded as they are
     if [ -f "$r/model.safetensors" ]; then exports+=("$r"); else exports+=("$(export_run "$r")") || exit 1; fi
   done
+  dup=$(for e in "${exports[@]}"; do basename "$e"; done | sort | uniq -d | head -n 1)
+  [ -n "$dup" ] && { echo "evals: two exports are named $dup (the table names each by its directory)" >&2; exit 2; }
   decode_at_once "$out" "${exports[@]}";;
 pack) pack;;
 *) echo "stage must be formats, extract, valstore, train, eval, evals, peers or pack" >&2; exit 2;;
