@@ -62,6 +62,7 @@ pack() {  # metrics, eval.json, log tail and the drafter's bf16 export into $OUT
   ls -la "$out"
 }
 export_dir() { echo "$W/x-$(basename "$1")"; }  # where export_run puts a run's export
+is_export() { [ -f "$1/model.safetensors" ]; }  # an export directory (decoded as it is), not a run
 export_run() {  # a run's export beside the others, in export_dir; prints its path
   # shellcheck disable=SC2086
   python3 -m train.export --run "$1" --out "$(export_dir "$1")" --overwrite ${EXPORT_ARGS:-} > /dev/null \
@@ -226,12 +227,12 @@ save_hf_dir(sys.argv[1] or packaged_gguf(), sys.argv[2])' "${GGUF:-}" "$P/hf" ||
 evals)  # RUNS (e.g. "/root/w/base /root/w/new", or export directories): decoded at once, one table (as `peers`)
   out=${OUT:-/tmp/out}; mkdir -p "$out"; exports=()
   for r in ${RUNS:?RUNS: the run directories to decode}; do  # or export directories, decoded as they are
-    if [ -f "$r/model.safetensors" ]; then exports+=("$r"); else exports+=("$(export_dir "$r")"); fi
+    if is_export "$r"; then exports+=("$r"); else exports+=("$(export_dir "$r")"); fi
   done
   # refused before any export is written: a run's export would overwrite a given export of its name
   dup=$(for e in "${exports[@]}"; do basename "$e"; done | sort | uniq -d | head -n 1)
   [ -n "$dup" ] && { echo "evals: two exports are named $dup (the table names each by its directory)" >&2; exit 2; }
-  for r in $RUNS; do [ -f "$r/model.safetensors" ] || export_run "$r" > /dev/null || exit 1; done
+  for r in $RUNS; do is_export "$r" || export_run "$r" > /dev/null || exit 1; done
   decode_at_once "$out" "${exports[@]}";;
 pack) pack;;
 *) echo "stage must be formats, extract, valstore, train, eval, evals, peers or pack" >&2; exit 2;;
