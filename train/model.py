@@ -26,7 +26,7 @@ from train.masks import FlexMask
 from train.modeling_dflash import RMSNorm, apply_rope, rope_cos_sin
 from train.vocab import draft_labels, target_to_draft
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "apply_rope", "rope_cos_sin"]
+__all__ = ["DrafterConfig", "DFlashDrafter", "apply_rope", "compile_options", "rope_cos_sin"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +59,23 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=True)
+
+
+def compile_options(mode: str) -> dict[str, Any]:
+    """torch.compile's inductor options for the drafter in `mode` (train.config.COMPILE_MODES).
+
+    Besides the mode's own, the mix-order reduction's non-strict mode where this torch has it: its
+    strict checks (a fused norm backward only above 5 Mi elements and 4,096 rows) become guards on
+    the micro-batch's size, so micro-batches on either side of them each compiled a graph of their
+    own mid-run. Inductor's own note on the option: it skips non-critical checks "to avoid
+    recompilations". The large micro-batches that hold most steps pass those checks anyway, so
+    their kernels stay the same."""
+    import torch._inductor.config as inductor_config
+
+    options = dict(torch._inductor.list_mode_options(mode))
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        options["triton.mix_order_reduction_non_strict_mode"] = True
+    return options
 
 
 def _flex():
@@ -164,11 +181,12 @@ class DFlashDrafter(nn.Module):
         "model" the whole training forward as one graph (the context's fc, norms and keys, the
         block embeddings and RoPE, the final norm too, which the layers leave eager).
         """
+        options = compile_options(mode)
         if scope == "model":
-            self.compile(dynamic=True, mode=mode)
+            self.compile(dynamic=True, options=options)
             return
         for layer in self.layers:
-            layer.compile(dynamic=True, mode=mode)
+            layer.compile(dynamic=True, options=options)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [B, T, K*H] -> fused context [B, T, H]."""

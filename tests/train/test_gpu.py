@@ -149,3 +149,26 @@ def test_spec_generate_replays_the_drafter_step_as_a_cuda_graph_with_the_same_re
         assert runs[0]["accepted"] == runs[1]["accepted"] == runs[2]["accepted"]
         longest = max(longest, *runs[0]["accepted"])
     assert longest > 1  # some steps accepted drafts: the graph's acceptance and context update were exercised
+
+
+def test_the_whole_graph_compile_makes_one_graph_across_the_mix_order_thresholds():
+    # inductor's fused norm backward (mix-order reduction) checks its size in strict mode: 5 Mi
+    # elements, 4,096 rows; micro-batches above and below them would each get a graph of their own
+    import torch._dynamo.utils as dynamo_utils
+
+    from bench.recompile_bench import micro_batch
+
+    g = torch.Generator().manual_seed(0)
+    dc = DrafterConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       vocab_size=500, num_taps=3, block_size=8, mask_token_id=499)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    model = DFlashDrafter(dc, torch.randn(500, 128, generator=g), torch.randn(500, 128, generator=g)).cuda()
+    model.compile_layers("default", "model")
+    loss = LossSettings(block_size=8, gamma=4.0, use_flex=True, context_tile=0, pad_shapes=True)
+    # rows x context x anchors: 51,200 queries x 128 hidden (over 5 Mi), then one row, then a few anchors
+    for rows, length, anchors in ((16, 1024, 400), (1, 700, 40), (3, 200, 4), (40, 400, 200)):
+        forward_backward(model, micro_batch(dc, rows, length, anchors, g, torch.device("cuda")), loss)
+        model.zero_grad(set_to_none=True)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

@@ -105,3 +105,18 @@ def test_distinct_sizes_restores_torchs_setting():
     with distinct_sizes(on=False):
         assert fx_config.use_duck_shape == before
     assert fx_config.use_duck_shape == before
+
+
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_compile_options_keep_the_mode_and_drop_the_mix_order_size_guards(mode):
+    import torch._inductor.config as inductor_config
+
+    from train.model import compile_options
+
+    options = compile_options(mode)
+    for key, value in torch._inductor.list_mode_options(mode).items():
+        assert options[key] == value
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        assert options["triton.mix_order_reduction_non_strict_mode"] is True
+    with inductor_config.patch(options):  # every key is one inductor knows (torch.compile checks them so)
+        assert inductor_config.triton.mix_order_reduction_non_strict_mode is True
