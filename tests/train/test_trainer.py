@@ -15,6 +15,7 @@ import torch
 from tests.helpers import kill_after, metric_rows, train_cfg, trainer_clock
 from train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint
 from train.config import TrainConfig
+from train.model import compile_options
 from train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,16 +184,18 @@ def test_compiled_layers_train_like_eager(store, tmp_path):
 
 
 def test_compile_mode_reaches_every_drafter_layer(store, tmp_path, monkeypatch):
-    # --compile-mode is handed to each layer's torch.compile (recorded here, not compiled: the
+    # --compile-mode reaches each layer's torch.compile as its options (recorded here, not compiled: the
     # modes' kernels are a GPU matter, timed by bench train --compile-mode)
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append((type(self).__name__, kw)))
     train(train_cfg(store, tmp_path / "m", max_steps=2, compile=True, compile_mode="max-autotune-no-cudagraphs"))
     assert len(seen) == train_cfg(store, tmp_path / "x").num_layers
-    assert all(kw == {"dynamic": True, "mode": "max-autotune-no-cudagraphs"} for _, kw in seen), seen
+    autotune = {"dynamic": True, "options": compile_options("max-autotune-no-cudagraphs")}
+    assert autotune["options"]["max_autotune"] is True
+    assert all(kw == autotune for _, kw in seen), seen
     seen.clear()
     train(train_cfg(store, tmp_path / "w", max_steps=2, compile=True, compile_scope="model"))
-    assert seen == [("DFlashDrafter", {"dynamic": True, "mode": "default"})]
+    assert seen == [("DFlashDrafter", {"dynamic": True, "options": compile_options("default")})]
     with pytest.raises(ValueError, match="compile_scope model needs --compile"):
         train_cfg(store, tmp_path / "x", compile_scope="model")
     with pytest.raises(ValueError, match="compile_mode max-autotune-no-cudagraphs needs --compile"):
