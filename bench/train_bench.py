@@ -141,8 +141,16 @@ def gemm_ceiling_tflops(dev: torch.device, n: int = 8192, runs: int = 12) -> flo
     return 2 * n**3 / statistics.median(times[2:]) / 1e12
 
 
-def _profile(step, batches: list, dev: torch.device, sync) -> None:
-    """Profile `step` over `batches` (already on the device); print the top 30 ops by self time."""
+def _store_loader(ds: BatchDataset, a: argparse.Namespace, dev: torch.device):
+    """An iterator of the bench's micro-batches from the store: DataLoader workers with pinned memory,
+    as the trainer reads them."""
+    return iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers, pin_memory=dev.type == "cuda",
+                                            prefetch_factor=4 if a.workers else None))
+
+
+def _profile(step, batches, dev: torch.device, sync) -> None:
+    """Profile `step` over `batches` (an iterable of batches on the device); print the top 30 ops by
+    self time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -214,7 +222,10 @@ def _parser() -> argparse.ArgumentParser:
                     "128 with a max-autotune --compile-mode)")
     ap.add_argument("--markov-rank", type=int, default=0, help="as --markov-rank in train (its head's teacher-forced "
                     "bias joins the loss: its W2 gradient keeps each chunk's logit gradient under --loss-backward fused)")
-    ap.add_argument("--profile", type=int, default=0, help="profile this many in-memory steps; print the top ops")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many steps; print the top ops")
+    ap.add_argument("--profile-from", default="memory", choices=("memory", "store"),
+                    help="the profiled steps' batches: in GPU memory, or read from the store and copied on the side "
+                         "stream as the trainer does (its copies and fp8 dequantization in the profile)")
     return ap
 
 
@@ -275,8 +286,7 @@ def main() -> None:
 
     def from_store(copy_stream) -> tuple[float, float]:
         """DataLoader workers with pinned memory over the same micro-batches: (seconds, seconds waited)."""
-        it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers, pin_memory=dev.type == "cuda",
-                                              prefetch_factor=4 if a.workers else None))
+        it = _store_loader(ds, a, dev)
         for _ in range(a.warmup):
             step(to_device(next(it), dev, copy_stream))
         sync()
@@ -292,8 +302,11 @@ def main() -> None:
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     variants = {"memory": in_memory, "store": lambda: from_store(None), "store_side_stream": lambda: from_store(side)}
     times, waits, peak_gib = _rounds(variants, a.rounds, dev)
-    if a.profile:
+    if a.profile and a.profile_from == "memory":
         _profile(step, gpu[a.warmup: a.warmup + a.profile], dev, sync)
+    elif a.profile:  # each batch read and copied inside the profiled window, as the trainer steps
+        it = _store_loader(ds, a, dev)
+        _profile(step, (to_device(next(it), dev, side) for _ in range(a.profile)), dev, sync)
     row = _report(a, times, waits, peak_gib, positions=positions, flops=flops, model=model, dev=dev)
     gemm = gemm_ceiling_tflops(dev)  # after the rounds: the same clocks the step ran at
     print(json.dumps({**row, "warmup_s": warmup_s, "gemm_tflops": gemm,

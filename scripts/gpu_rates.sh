@@ -8,7 +8,7 @@
 #   bash scripts/gpu_rates.sh small      # 1 GPU: SmolLM2-shaped drafter, eager vs compiled
 #   bash scripts/gpu_rates.sh levers     # 1 GPU: the step's levers at the preset's shape (LEVERS: which)
 #   bash scripts/gpu_rates.sh recompiles # 1 GPU: how often the preset's compiled drafter compiles, padded or not
-#   bash scripts/gpu_rates.sh levprofile # 1 GPU: the preset's step under torch.profiler
+#   bash scripts/gpu_rates.sh levprofile # 1 GPU: the preset's step under torch.profiler (--profile-from store in LEVERS: steps fed from the store)
 #   bash scripts/gpu_rates.sh replay losskernel  # 1 GPU: bench replay; bench loss-kernel (ours vs Liger)
 #   bash scripts/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
 #   bash scripts/gpu_rates.sh ddp1 wait ddp2 savecache  # x2 cold, one call with TL1=300 TL2=200: the 1-GPU
