@@ -33,6 +33,7 @@ SUITES = {
     "vocab": ("bench.vocab_bench", "a draft vocabulary's coverage of the target's greedy answers, by size (CPU)"),
     "replay": ("bench.replay_bench", "the held-out tree replay with a Markov head: trees at every block vs the visited"),
     "loss-kernel": ("bench.loss_kernel_bench", "the draft loss's chunks: ours against Liger's kernels (GPU)"),
+    "trace": ("bench.trace_summary", "a profiled stretch's GPU idle time, streams, copies overlapped (bench train --trace)"),
     "recompiles": ("bench.recompile_bench", "how often a compiled drafter compiles over a run's micro-batch shapes"),
     "tree-step": ("bench.tree_step_bench", "where a draft-tree decoding step's time goes, by node budget (GPU)"),
     "confidence": ("bench.confidence_bench", "rejected drafts by the target's own top-1 probability there, per domain"),
