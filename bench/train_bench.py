@@ -148,16 +148,25 @@ def _store_loader(ds: BatchDataset, a: argparse.Namespace, dev: torch.device):
                                             prefetch_factor=4 if a.workers else None))
 
 
-def _profile(step, batches, dev: torch.device, sync) -> None:
+def _profile(step, batches, dev: torch.device, sync, trace: str = "", sync_debug: bool = False) -> None:
     """Profile `step` over `batches` (an iterable of batches on the device); print the top 30 ops by
-    self time."""
+    self time. trace: the timeline also written there as a Chrome trace (gzipped where it ends in .gz;
+    `python -m bench trace` sums it up). sync_debug: every host-device synchronization inside the
+    profiled steps warned about, with its Python line (a sync stops the host running ahead of the GPU,
+    which a side-stream copy needs to overlap the step before)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
+        if sync_debug and dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
         for b in batches:
             step(b)
+        if dev.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
         sync()
+    if trace:
+        prof.export_chrome_trace(trace)
     key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
 
@@ -226,6 +235,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-from", default="memory", choices=("memory", "store"),
                     help="the profiled steps' batches: in GPU memory, or read from the store and copied on the side "
                          "stream as the trainer does (its copies and fp8 dequantization in the profile)")
+    ap.add_argument("--trace", default="", help="with --profile: the profiled steps' timeline as a Chrome trace "
+                    "(.json or .json.gz), for `python -m bench trace`")
+    ap.add_argument("--sync-debug", action="store_true", help="with --profile: warn at each host-device sync inside "
+                    "the profiled steps")
     return ap
 
 
@@ -303,10 +316,11 @@ def main() -> None:
     variants = {"memory": in_memory, "store": lambda: from_store(None), "store_side_stream": lambda: from_store(side)}
     times, waits, peak_gib = _rounds(variants, a.rounds, dev)
     if a.profile and a.profile_from == "memory":
-        _profile(step, gpu[a.warmup: a.warmup + a.profile], dev, sync)
+        _profile(step, gpu[a.warmup: a.warmup + a.profile], dev, sync, a.trace, a.sync_debug)
     elif a.profile:  # each batch read and copied inside the profiled window, as the trainer steps
         it = _store_loader(ds, a, dev)
-        _profile(step, (to_device(next(it), dev, side) for _ in range(a.profile)), dev, sync)
+        _profile(step, (to_device(next(it), dev, side) for _ in range(a.profile)), dev, sync, a.trace,
+                 a.sync_debug)
     row = _report(a, times, waits, peak_gib, positions=positions, flops=flops, model=model, dev=dev)
     gemm = gemm_ceiling_tflops(dev)  # after the rounds: the same clocks the step ran at
     print(json.dumps({**row, "warmup_s": warmup_s, "gemm_tflops": gemm,

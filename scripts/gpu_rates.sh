@@ -99,10 +99,16 @@ recompiles)  # 1 GPU: compiles of the preset's drafter over a run's micro-batch 
       | tail -n 1 | tee -a "$OUT/recompiles.jsonl"
   done
   ;;
-levprofile)  # 1 GPU: the preset's shape under torch.profiler, the top CUDA ops of 3 steps (LEVERS' first variant)
+levprofile)  # 1 GPU: the preset's shape under torch.profiler, the top CUDA ops of 3 steps (LEVERS' first variant);
+  # TRACE=NAME.json.gz: their timeline too, as $OUT/NAME.json.gz, summed up (bench trace) in $OUT/trace_summary.jsonl,
+  # with each host-device sync inside them warned about in the log; TAG: the log's name, levers_profile$TAG.log
+  tr=(); [ -n "${TRACE:-}" ] && tr=(--trace "$OUT/$TRACE" --sync-debug)
   # shellcheck disable=SC2086
-  timeout 300 python3 -m bench.train_bench $LB --rounds 1 --profile 3 ${LEVERS%%;*} 2>&1 \
-    | tee "$OUT/levers_profile.log" | grep -A34 "Self CUDA" | cut -c1-160
+  timeout 300 python3 -m bench.train_bench $LB --rounds ${LPROUNDS:-1} --profile 3 ${LEVERS%%;*} "${tr[@]}" 2>&1 \
+    | tee "$OUT/levers_profile${TAG:-}.log" | grep -A34 "Self CUDA" | cut -c1-160
+  if [ -n "${TRACE:-}" ]; then
+    python3 -m bench trace "$OUT/$TRACE" | sed "s|^{|{\"trace\": \"$TRACE\", |" | tee -a "$OUT/trace_summary.jsonl"
+  fi
   ;;
 replay)  # 1 GPU: the held-out tree replay with the Markov head, trees at every block vs at the visited ones
   timeout 300 python3 -m bench replay 2>&1 | tail -n 1 | tee "$OUT/replay.json"
