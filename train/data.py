@@ -195,9 +195,9 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
             with_last_hidden: bool) -> dict[str, torch.Tensor]:
     """Pad a micro-batch into the batch keys: "hidden" [b, T, K'*H] (the taps chosen by tap_index),
     "sample_id" [b], "anchors" [b, N] and "anchor_span" [b, N] (the response span of each anchor, -1
-    for padding), "block_ids"/"block_pos"/"labels" [b, N*bs], "ctx_len" [b], and with
-    with_last_hidden "block_last_hidden" [b, N*bs, H] (the target's final state that teaches each
-    slot).
+    for padding), "block_ids"/"block_pos"/"labels" [b, N*bs], "labelled" [n] (the flat indices of
+    the labels that are not IGNORE, row-major), "ctx_len" [b], and with with_last_hidden
+    "block_last_hidden" [b, N*bs, H] (the target's final state that teaches each slot).
 
     Samples read with quantized bits give "hidden" as the uint8 bits of the chosen taps and
     "hidden_scale" [b, T, K' x scales per tap] (fp8: float32, one per tap; mxfp4: uint8, one per 32
@@ -240,7 +240,9 @@ def collate(samples, *, tap_index: list[int], num_stored_taps: int, num_anchors:
     out = {"hidden": hidden, "ctx_len": torch.tensor([len(s.input_ids) for s in samples]),
            "anchors": anchors,
            "anchor_span": spans, "block_ids": ids, "block_pos": pos, "labels": labels,
-           "sample_id": torch.tensor([s.sample_id for s in samples], dtype=torch.long)}
+           "sample_id": torch.tensor([s.sample_id for s in samples], dtype=torch.long),
+           # found here, on the host: the loss gathers its rows by them with no read-back
+           "labelled": torch.nonzero(labels.flatten() != IGNORE).squeeze(1)}
     if block_last is not None:
         out["block_last_hidden"] = block_last
     if scales is not None:

@@ -228,8 +228,8 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
                ce_kernel: str = "torch",
                weighting: Weighting | None = None, anchors: torch.Tensor | None = None,
                spans: torch.Tensor | None = None, replay: bool = False,
-               bias_rows: torch.Tensor | None = None, bias_head: torch.Tensor | None = None
-               ) -> LossOut:
+               bias_rows: torch.Tensor | None = None, bias_head: torch.Tensor | None = None,
+               labelled: torch.Tensor | None = None) -> LossOut:
     """hidden [B, Q, H] drafter output, labels [B, Q] (IGNORE = no loss) indexing lm_head's rows
     (OUT_OF_VOCAB: a token a draft vocabulary lacks, no loss, never a hit); teacher [B, Q, H]/None.
 
@@ -251,6 +251,11 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     bias_rows [B, Q, r], bias_head [V, r]: a Markov head (train.markov_head) adds bias_rows @
     bias_head.T to the logits; "fused" then also keeps each chunk's logit gradient (the size of
     the logits) for the head's W2 gradient in backward.
+
+    labelled [n]: the flat indices (row-major over [B, Q]) of the rows labels does not IGNORE, as
+    the collate makes them on the host (train.data "labelled"). Without it they are found on the
+    device, and their count is read back: a host sync that stops the host queueing the step's
+    later work (and the next batch's copy) ahead of the GPU.
     """
     for name, value, allowed in (("backward", backward, LOSS_BACKWARDS),
                                  ("divergence", divergence, DIVERGENCES)):
@@ -260,18 +265,22 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     lm_head = _head_dtype(lm_head, hidden)
     slot = torch.arange(q, device=hidden.device) % block_size
     keep = labels != IGNORE
-    rows, lab, s = hidden[keep], labels[keep], slot.expand(b, q)[keep]
+    if labelled is None:
+        labelled = keep.flatten().nonzero().squeeze(1)  # [n]
+    at = (labelled // q, labelled % q)  # [n] x 2: each labelled row's batch row and query
+    # integer indices gather what a boolean mask would (it becomes these indices), in its order
+    rows, lab, s = hidden[at], labels[at], slot[at[1]]
     in_vocab = lab != OUT_OF_VOCAB  # a label the draft vocabulary lacks (train.vocab): a miss
-    tea = teacher[keep].to(rows.dtype) if teacher is not None else None  # bf16; f32 on a CPU
+    tea = teacher[at].to(rows.dtype) if teacher is not None else None  # bf16; f32 on a CPU
     if kl_weight > 0 and tea is None:
         raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state "
                          "(extract with --last-hidden)")
-    bias = (bias_rows[keep], bias_head) if bias_rows is not None else None  # [n, r], [V, r]
+    bias = (bias_rows[at], bias_head) if bias_rows is not None else None  # [n, r], [V, r]
     grad_fn = _chunk_grad(ce_kernel, compiled)  # the fused path's per-chunk loss and gradient
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence,
                                 confidence_penalty, chunk, backward, grad_fn, bias)
     hit = hit & in_vocab
-    loss, wsum, dense = _weighted_mean(row_loss, hit, keep, in_vocab, weighting or Weighting(),
+    loss, wsum, dense = _weighted_mean(row_loss, hit, keep, at, in_vocab, weighting or Weighting(),
                                        anchors, spans, block_size=block_size, gamma=gamma,
                                        replay=replay)
     zeros = torch.zeros(block_size, device=hidden.device)  # [block]: hits and rows per slot
@@ -291,11 +300,11 @@ def _head_dtype(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return lm_head.to(hidden.dtype)
 
 
-def _weighted_mean(row_loss, hit, keep, in_vocab, weighting: Weighting, anchors, spans, *,
+def _weighted_mean(row_loss, hit, keep, at, in_vocab, weighting: Weighting, anchors, spans, *,
                    block_size: int, gamma: float, replay: bool):
     """The labelled rows' loss [n] averaged by their weights: (loss, weight sum, and the hits laid
     out by block [B, N, bs] where the weights or `replay` need them, else None). keep [B, Q] marks
-    the labelled rows, hit and in_vocab [n] are theirs."""
+    the labelled rows, at ([n] x 2) indexes them, hit and in_vocab [n] are theirs."""
     b, q = keep.shape
     dense = None
     if replay or weighting.decode_aware:
@@ -303,7 +312,7 @@ def _weighted_mean(row_loss, hit, keep, in_vocab, weighting: Weighting, anchors,
         dense = dense.view(b, q // block_size, block_size)  # [B, N, bs]
     # [B, Q]
     w_all = weighting.row_weights(dense, keep, anchors, spans, block_size=block_size, gamma=gamma)
-    w = w_all[keep] * in_vocab
+    w = w_all[at] * in_vocab
     wsum = w.sum()
     return (row_loss * w).sum() / wsum.clamp(min=1e-12), wsum, dense
 
@@ -342,7 +351,8 @@ class Weighting:
         if self.position == "reach":
             per_slot = reach_weights(hit, keep.view(hit.shape))
         else:
-            per_slot = decay_weights(block_size, gamma).to(keep.device)
+            # made on the host as ever; a blocking copy would wait for the GPU's queue to drain
+            per_slot = decay_weights(block_size, gamma).to(keep.device, non_blocking=True)
         w = per_slot.repeat(q // block_size).expand(b, q)  # [B, Q]
         if self.visit_weight > 0:
             if anchors is None or spans is None:

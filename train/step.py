@@ -120,7 +120,7 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
                          ce_kernel=loss.ce_kernel,
                          weighting=loss.weighting,
                          anchors=batch["anchors"], spans=batch.get("anchor_span"), replay=replay,
-                         **head_terms)
+                         labelled=batch.get("labelled"), **head_terms)
         if tree_budgets:
             out["tree_accepts"] = _tree_replays(core, hidden.detach(), labels, batch,
                                                 loss.block_size, tree_budgets)

@@ -169,3 +169,21 @@ def test_quantized_batches_stay_quantized_until_to_device_and_then_equal_the_hos
         assert "hidden_scale" not in got and got.keys() == want.keys()
         for k in want:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+def test_collate_lists_the_labelled_rows_the_loss_gathers(tmp_path):
+    import torch
+
+    from cache_format import StoreReader
+    from tests.helpers import make_manifest, write_store
+    from train.data import collate
+
+    write_store(tmp_path / "s.zarr", range(6), make_manifest())
+    reader = StoreReader(tmp_path / "s.zarr")
+    kw = dict(tap_index=[0], num_stored_taps=2, num_anchors=5, block_size=4, mask_token_id=99, with_last_hidden=False)
+    for ids in ([0, 3, 5], [1], [2, 4]):
+        b = collate(reader.get_batch(ids), generator=torch.Generator().manual_seed(0), **kw)
+        flat = b["labels"].flatten()
+        # the loop: every position whose label is not IGNORE, in row-major order
+        want = [i for i in range(len(flat)) if flat[i] != -100]
+        assert b["labelled"].dtype == torch.long and b["labelled"].tolist() == want and want

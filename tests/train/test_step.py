@@ -1,11 +1,14 @@
-"""train.step: padding the context to the attention tile changes no number, only the kernels' tiles."""
+"""train.step: padding the context to the attention tile changes no number, only the kernels' tiles; the step reads
+nothing back from the device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from train.anchors import build_blocks, sample_anchors
+from train.losses import Weighting
 from train.masks import FLEX_KERNELS, FLEX_TILE, block_tiles
 from train.model import DFlashDrafter, DrafterConfig
 from train.step import LossSettings, fitted_steps, forward_backward
@@ -181,3 +184,44 @@ def test_fitted_steps_are_the_most_that_fit_as_a_loop_counts_them():
         assert got == _fitted_by_loop(step, left, step_s, pause_s, every, cap), (step, left, every, cap)
     with pytest.raises(ValueError, match="positive"):
         fitted_steps(0, 10.0, 0.0, cap=5)
+
+
+class _DeviceReads(TorchDispatchMode):
+    """Records the ops that read a value back from the device to the host (on a GPU each is a sync
+    that stops the host queueing work ahead): nonzero, item, masked_select, a boolean index."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = func.overloadpacket
+        indices = args[1] if op in (torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten.index_put_) else ()
+        if op in (torch.ops.aten.nonzero, torch.ops.aten._local_scalar_dense, torch.ops.aten.masked_select) or any(
+                i is not None and i.dtype == torch.bool for i in indices):
+            self.seen.append(str(op))
+        return func(*args, **(kwargs or {}))
+
+
+def _labelled(batch):  # what train.data.collate adds (tests/train/test_data.py checks it does)
+    return {**batch, "labelled": torch.nonzero(batch["labels"].flatten() != -100).squeeze(1)}
+
+
+@pytest.mark.parametrize("position", ["decay", "reach"])
+def test_a_step_given_the_collated_labelled_index_reads_nothing_back_and_changes_no_number(position):
+    batch = _batch(torch.Generator().manual_seed(0))
+    batch["labels"][0, ::3] = -100  # unlabelled rows among the labelled ones
+    loss = LossSettings(block_size=DC.block_size, gamma=4.0, weighting=Weighting(position=position))
+    results = []
+    for b in (batch, _labelled(batch)):
+        g = torch.Generator().manual_seed(1)
+        torch.manual_seed(0)  # the layers' own initialization
+        model = DFlashDrafter(DC, torch.randn(300, 64, generator=g), torch.randn(300, 64, generator=g))
+        with _DeviceReads() as reads:
+            out = forward_backward(model, b, loss)
+        results.append((out, torch.cat([p.grad.flatten() for p in model.parameters()]), reads.seen))
+    (found, g_found, reads_found), (given, g_given, reads_given) = results
+    assert reads_found == ["aten.nonzero"]  # without the index: the labelled rows found on the device
+    assert reads_given == []
+    assert torch.equal(given["loss"], found["loss"]) and torch.equal(g_given, g_found)
+    assert torch.equal(given["correct"], found["correct"]) and torch.equal(given["count"], found["count"])
