@@ -143,7 +143,8 @@ def dequantize_bf16(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return mxfp4_dequantize(bits, scales).to(torch.bfloat16)
     *lead, width = bits.shape
     k = scales.shape[-1]
-    q = bits.view(torch.float8_e4m3fn).reshape(*lead, k, width // k).to(torch.bfloat16)  # [..., K, H]
+    # [..., K, H]
+    q = bits.view(torch.float8_e4m3fn).reshape(*lead, k, width // k).to(torch.bfloat16)
     return torch.mul(q, scales[..., None], out=torch.empty_like(q)).reshape(*lead, width)
 
 
