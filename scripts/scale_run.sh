@@ -12,8 +12,13 @@
 #                                       # held-out curve and the best checkpoint on the evaluation's formats
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
+#   bash scripts/scale_run.sh together  # SIDES="NAME=TRAIN_ARGS;NAME=...": those runs at once on the one card, each
+#                                       # in $W/NAME (resumed where it has checkpoints), for τ at equal steps
+#                                       # (their rates share the card: not figures); NAME_metrics.jsonl and
+#                                       # NAME_out.txt (log tail, recompiles) in $OUT, 4 runs at most (8 files)
 #   bash scripts/scale_run.sh eval      # the served export (bf16) against the float32 target, 48 held-out prompts
 #   bash scripts/scale_run.sh evals     # RUNS="DIR DIR": those runs' exports decoded at once, one table of τ
+#                                       # (STEP=N: each run's step-N checkpoint, not its best: equal steps)
 #   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
 #   bash scripts/scale_run.sh peers     # speculators' drafter on a subset, decoded as ours (PEER_* settings);
 #                                       # ours on the same store: STORE=/dev/shm/peers.zarr RUN=... `train` and `eval`
@@ -63,9 +68,10 @@ pack() {  # metrics, eval.json, log tail and the drafter's bf16 export into $OUT
 }
 export_dir() { echo "$W/x-$(basename "$1")"; }  # where export_run puts a run's export
 is_export() { [ -f "$1/model.safetensors" ]; }  # an export directory (decoded as it is), not a run
-export_run() {  # a run's export beside the others, in export_dir; prints its path
+export_run() {  # a run's export beside the others, in export_dir (STEP: its step-N checkpoint); prints its path
+  local ck=(); [ -n "${STEP:-}" ] && ck=(--checkpoint "$1/checkpoints/step-$STEP")
   # shellcheck disable=SC2086
-  python3 -m train.export --run "$1" --out "$(export_dir "$1")" --overwrite ${EXPORT_ARGS:-} > /dev/null \
+  python3 -m train.export --run "$1" --out "$(export_dir "$1")" --overwrite "${ck[@]}" ${EXPORT_ARGS:-} > /dev/null \
     && export_dir "$1"
 }
 decode_at_once() {  # OUT_DIR EXPORT...: each export decoded at the same time, one process each on the one
@@ -234,6 +240,23 @@ evals)  # RUNS (e.g. "/root/w/base /root/w/new", or export directories): decoded
   [ -n "$dup" ] && { echo "evals: two exports are named $dup (the table names each by its directory)" >&2; exit 2; }
   for r in $RUNS; do is_export "$r" || export_run "$r" > /dev/null || exit 1; done
   decode_at_once "$out" "${exports[@]}";;
+together)  # the call also holds each run's setup before its trainer starts and its closing pass and export
+  # after (three runs on an H100: ~80 s before, over 60 s after): TLIM is only the trainers' share of the call
+  out=${OUT:-/tmp/out}; mkdir -p "$out"; pids=(); names=()
+  IFS=";" read -r -a sides <<< "${SIDES:?SIDES: NAME=TRAIN_ARGS;NAME=TRAIN_ARGS;...}"
+  [ ${#sides[@]} -gt 4 ] && { echo "together: 4 runs at most (2 files each come back, 8 in all)" >&2; exit 2; }
+  for s in "${sides[@]}"; do
+    n=${s%%=*}; names+=("$n")
+    RUN=$W/$n OUT=$W/work-$n/pack TRAIN_ARGS="${s#*=}" W=$W/work-$n bash "$0" train > "$W/$n.out" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for n in "${names[@]}"; do
+    cp "$W/$n/metrics.jsonl" "$out/${n}_metrics.jsonl" 2>/dev/null
+    { tail -n 12 "$W/$n.out"; echo "== recompiles"; cat "$W/work-$n/pack/recompiles.txt"; ls "$W/$n/checkpoints"; } \
+      > "$out/${n}_out.txt" 2>&1
+    echo "== $n"; tail -n 3 "$W/$n.out"
+  done;;
 pack) pack;;
-*) echo "stage must be formats, extract, valstore, train, eval, evals, peers or pack" >&2; exit 2;;
+*) echo "stage must be formats, extract, valstore, train, together, eval, evals, peers or pack" >&2; exit 2;;
 esac
