@@ -172,3 +172,42 @@ def test_the_whole_graph_compile_makes_one_graph_across_the_mix_order_thresholds
         model.zero_grad(set_to_none=True)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("compiled", "ce_kernel"), [(False, "torch"), ("default:model", "torch"),
+                                                     ("default:model", "liger")])
+def test_a_training_step_never_waits_for_the_gpu(compiled, ce_kernel):
+    # a host sync inside the step (a value read back) keeps the host from queueing the step's later
+    # work and the next batch's side-stream copy ahead of the GPU; "error" raises at the first one
+    from tests.train.test_step import _labelled
+    from train.liger_ce import liger_available
+    from train.losses import Weighting
+    from train.step import make_optimizer
+
+    if ce_kernel == "liger" and not liger_available():
+        pytest.skip("liger-kernel is not installed")
+    g = torch.Generator().manual_seed(0)
+    dc = DrafterConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       vocab_size=500, num_taps=3, block_size=8, mask_token_id=499)
+    model = DFlashDrafter(dc, torch.randn(500, 128, generator=g), torch.randn(500, 128, generator=g)).cuda()
+    if compiled:
+        model.compile_layers(*compiled.split(":"))
+    batch = _labelled(_batch(dc, g))  # the collate's host-made index (found here on the GPU, before the check)
+    loss = LossSettings(block_size=8, gamma=4.0, use_flex=True, context_tile=0, pad_shapes=bool(compiled),
+                        compiled=bool(compiled), ce_kernel=ce_kernel, flex_kernel="tuned", chunk=64,
+                        weighting=Weighting(position="reach"))
+    opt = make_optimizer(model, lr=1e-4, weight_decay=0.0)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        forward_backward(model, batch, loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    step()  # the compiles, and the optimizer's state made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
