@@ -184,6 +184,7 @@ def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | N
                       "loss_backward": a.loss_backward, "anchors": a.anchors, "token_budget": a.token_budget, "steps": a.steps,
                       "positions_per_s_memory": positions / t_mem, "positions_per_s_store": positions / t_store,
                       "ratio": t_mem / t_store, "data_wait_frac": statistics.median(waits["store"]),
+                      "data_wait_frac_side_stream": statistics.median(waits["store_side_stream"]),
                       "positions_per_s_store_side_stream": positions / t_side, "ratio_side_stream": t_mem / t_side,
                       "rounds": a.rounds, "seconds_per_round": times, "peak_gib_memory": peak_gib,
                       "tflops_memory": flops / t_mem / 1e12, "mfu_memory": flops / t_mem / 1e12 / a.peak_tflops,
