@@ -252,29 +252,17 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     bias_head.T to the logits; "fused" then also keeps each chunk's logit gradient (the size of
     the logits) for the head's W2 gradient in backward.
 
-    labelled [n]: the flat indices (row-major over [B, Q]) of the rows labels does not IGNORE, as
-    the collate makes them on the host (train.data "labelled"). Without it they are found on the
-    device, and their count is read back: a host sync that stops the host queueing the step's
-    later work (and the next batch's copy) ahead of the GPU.
+    labelled [n]: the labelled rows' flat indices as the collate lists them (_labelled_at).
     """
-    for name, value, allowed in (("backward", backward, LOSS_BACKWARDS),
-                                 ("divergence", divergence, DIVERGENCES)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    _check_options(backward, divergence, kl_weight, teacher)
     b, q, h = hidden.shape
     lm_head = _head_dtype(lm_head, hidden)
     slot = torch.arange(q, device=hidden.device) % block_size
     keep = labels != IGNORE
-    if labelled is None:
-        labelled = keep.flatten().nonzero().squeeze(1)  # [n]
-    at = (labelled // q, labelled % q)  # [n] x 2: each labelled row's batch row and query
-    # integer indices gather what a boolean mask would (it becomes these indices), in its order
+    at = _labelled_at(keep, labelled)  # [n] x 2
     rows, lab, s = hidden[at], labels[at], slot[at[1]]
     in_vocab = lab != OUT_OF_VOCAB  # a label the draft vocabulary lacks (train.vocab): a miss
     tea = teacher[at].to(rows.dtype) if teacher is not None else None  # bf16; f32 on a CPU
-    if kl_weight > 0 and tea is None:
-        raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state "
-                         "(extract with --last-hidden)")
     bias = (bias_rows[at], bias_head) if bias_rows is not None else None  # [n, r], [V, r]
     grad_fn = _chunk_grad(ce_kernel, compiled)  # the fused path's per-chunk loss and gradient
     row_loss, hit = _row_losses(rows, lm_head, lab.clamp(min=0), tea, kl_weight, divergence,
@@ -290,6 +278,30 @@ def draft_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor
     if replay:
         out["accepts"] = block_accepts(dense)
     return out
+
+
+def _check_options(backward: str, divergence: str, kl_weight: float, teacher) -> None:
+    """draft_loss's refusals, one line each."""
+    for name, value, allowed in (("backward", backward, LOSS_BACKWARDS),
+                                 ("divergence", divergence, DIVERGENCES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if kl_weight > 0 and teacher is None:
+        raise ValueError("a divergence term (--loss kl or mix) needs the stored final hidden state "
+                         "(extract with --last-hidden)")
+
+
+def _labelled_at(keep: torch.Tensor, labelled: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [B, Q] -> the batch row and the query [n] of each labelled row, row-major. From
+    `labelled`, their flat indices as train.data's collate lists them on the host; without it they
+    are found on the device, which reads their count back: a host sync, and the host stops queueing
+    the step's later work (and the next batch's copy) ahead of the GPU. Indexing by them gathers
+    what keep as a boolean mask would (a mask becomes these very indices), in its order."""
+    if labelled is None:
+        labelled = keep.flatten().nonzero().squeeze(1)  # [n]
+    q = keep.shape[1]
+    return labelled // q, labelled % q
 
 
 def _head_dtype(lm_head: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
