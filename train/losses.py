@@ -363,8 +363,9 @@ class Weighting:
         if self.position == "reach":
             per_slot = reach_weights(hit, keep.view(hit.shape))
         else:
-            # made on the host as ever; a blocking copy would wait for the GPU's queue to drain
-            per_slot = decay_weights(block_size, gamma).to(keep.device, non_blocking=True)
+            per_slot = decay_weights(block_size, gamma)  # made on the host as ever
+            if keep.device.type != "cpu":  # a copy from pageable memory may wait for the GPU
+                per_slot = per_slot.pin_memory().to(keep.device, non_blocking=True)
         w = per_slot.repeat(q // block_size).expand(b, q)  # [B, Q]
         if self.visit_weight > 0:
             if anchors is None or spans is None:
