@@ -180,7 +180,7 @@ def test_the_whole_graph_compile_makes_one_graph_across_the_mix_order_thresholds
 def test_a_training_step_never_waits_for_the_gpu(compiled, ce_kernel, position):
     # a host sync inside the step (a value read back) keeps the host from queueing the step's later
     # work and the next batch's side-stream copy ahead of the GPU; "error" raises at the first one
-    # (not at a copy from pageable memory that the driver stages: none is left in the step)
+    # (a copy from pageable memory that the driver stages is not caught; the step makes none we know of)
     from tests.train.test_step import _labelled
     from train.liger_ce import liger_available
     from train.losses import Weighting
