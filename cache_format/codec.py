@@ -29,7 +29,6 @@ __all__ = [
     "checksum",
     "compressors_for",
     "dequantize",
-    "dequantize_bf16",
     "file_checksum",
     "fp8_dequantize",
     "fp8_quantize",
@@ -94,12 +93,14 @@ def quantize(x: torch.Tensor, num_taps: int,
     raise ValueError(f"{dtype!r} is not a quantized dtype {QUANTIZED}")
 
 
-def dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Stored bits and scales -> float32 [..., K*H] on their device. The scales tell the codec
-    apart: float32 ones are fp8's (per token and layer), uint8 ones mxfp4's e8m0 exponents."""
+def dequantize(bits: torch.Tensor, scales: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored bits and scales -> `dtype` (float32 or bfloat16) [..., K*H] on their device: the
+    float32 values rounded once. The scales tell the codec apart: float32 ones are fp8's (per token
+    and layer), uint8 ones mxfp4's e8m0 exponents."""
     if scales.dtype == torch.uint8:
-        return mxfp4_dequantize(bits, scales)
-    return fp8_dequantize(bits, scales)
+        return mxfp4_dequantize(bits, scales).to(dtype)
+    return fp8_dequantize(bits, scales, dtype)
 
 
 def fp8_quantize(x: torch.Tensor,
@@ -127,24 +128,15 @@ def fp8_quantize(x: torch.Tensor,
             err.sum(-1), ref.sum(-1))
 
 
-def fp8_dequantize(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(uint8 [..., K*H], float32 [..., K]) -> float32 [..., K*H], on their device."""
+def fp8_dequantize(bits: torch.Tensor, scales: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(uint8 [..., K*H], float32 [..., K]) -> `dtype` [..., K*H], on their device. fp8 values
+    are exact in bf16 as in float32, so the bits are widened to `dtype` (bf16: half float32's
+    bytes) and each float32 product with its scale is rounded to `dtype` once, as it is written:
+    bf16 in two passes, with no float32 copy of the taps."""
     *lead, width = bits.shape
     k = scales.shape[-1]
-    q = bits.view(torch.float8_e4m3fn).reshape(*lead, k, width // k)
-    return (q.float() * scales[..., None]).reshape(*lead, width)
-
-
-def dequantize_bf16(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """dequantize(bits, scales).to(torch.bfloat16), the same values in fewer passes over memory:
-    fp8 values are exact in bf16, so the bits are widened to bf16 (half float32's bytes) and each
-    product with its float32 scale is rounded to bf16 once, as it is written."""
-    if scales.dtype == torch.uint8:
-        return mxfp4_dequantize(bits, scales).to(torch.bfloat16)
-    *lead, width = bits.shape
-    k = scales.shape[-1]
-    # [..., K, H]
-    q = bits.view(torch.float8_e4m3fn).reshape(*lead, k, width // k).to(torch.bfloat16)
+    q = bits.view(torch.float8_e4m3fn).reshape(*lead, k, width // k).to(dtype)  # [..., K, H]
     return torch.mul(q, scales[..., None], out=torch.empty_like(q)).reshape(*lead, width)
 
 
@@ -152,7 +144,7 @@ def quantized_to_bf16(bits: np.ndarray, scales: np.ndarray) -> torch.Tensor:
     """Stored "hidden" and "hidden_scale" arrays of a quantized store -> bf16 [T, K*H]."""
     b = torch.from_numpy(np.ascontiguousarray(bits))
     s = torch.from_numpy(np.ascontiguousarray(scales))
-    return dequantize_bf16(b, s)
+    return dequantize(b, s, torch.bfloat16)
 
 
 def compressors_for(compression: str, typesize: int) -> object | None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cache_format import StoreReader
-from cache_format.codec import dequantize_bf16
+from cache_format.codec import dequantize
 from train.anchors import IGNORE, build_blocks, sample_anchors
 from train.replay import anchor_spans
 
@@ -278,5 +278,5 @@ def _dequantized(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if "hidden_scale" not in batch:
         return batch
     scale = batch.pop("hidden_scale")
-    batch["hidden"] = dequantize_bf16(batch["hidden"], scale)
+    batch["hidden"] = dequantize(batch["hidden"], scale, torch.bfloat16)
     return batch

@@ -111,8 +111,8 @@ def test_mxfp4_represents_its_own_grid_exactly_and_packs_half_a_byte_a_value():
         quantize(torch.ones(1, 48), 1, "mxfp4")
 
 
-def test_dequantize_bf16_gives_the_float32_path_rounded_bit_for_bit():
-    from cache_format.codec import dequantize, dequantize_bf16
+def test_dequantize_to_bf16_gives_the_float32_path_rounded_bit_for_bit():
+    from cache_format.codec import dequantize
 
     g = torch.Generator().manual_seed(0)
     k, h = 3, 256
@@ -121,10 +121,10 @@ def test_dequantize_bf16_gives_the_float32_path_rounded_bit_for_bit():
     bits = bits[torch.randperm(5, generator=g)].reshape(5, k * h)
     scales = torch.exp(torch.randn(5, k, generator=g) * 8)  # [5, K]: tiny to huge
     want = dequantize(bits, scales).to(torch.bfloat16)
-    got = dequantize_bf16(bits, scales)
+    got = dequantize(bits, scales, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     # the mxfp4 scales (uint8 exponents) take its own decode, rounded the same way
     mx_bits = torch.randint(0, 256, (4, 64), dtype=torch.uint8, generator=g)
     mx_scales = torch.randint(100, 150, (4, 4), dtype=torch.uint8, generator=g)
-    assert torch.equal(dequantize_bf16(mx_bits, mx_scales), dequantize(mx_bits, mx_scales).to(torch.bfloat16))
+    assert torch.equal(dequantize(mx_bits, mx_scales, torch.bfloat16), dequantize(mx_bits, mx_scales).to(torch.bfloat16))
