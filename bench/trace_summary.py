@@ -89,6 +89,10 @@ def _interval(e: dict) -> tuple[float, float]:
     return float(e["ts"]), float(e["ts"]) + float(e["dur"])
 
 
+def _stream(e: dict) -> str:
+    return str(e.get("args", {}).get("stream", "?"))
+
+
 def summarize(events: list[dict], top: int = 5) -> dict:
     """The summary of module docstring from complete ("X") trace events."""
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
@@ -100,7 +104,7 @@ def summarize(events: list[dict], top: int = 5) -> dict:
     streams: dict[str, dict] = {}
     by_stream = collections.defaultdict(list)
     for e in gpu:
-        by_stream[str(e.get("args", {}).get("stream", "?"))].append(e)
+        by_stream[_stream(e)].append(e)
     for sid, evs in sorted(by_stream.items()):
         streams[sid] = {"busy_ms": union_length([_interval(e) for e in evs]) / 1e3,
                         "kernels": sum(e["cat"] == "kernel" for e in evs),
@@ -108,9 +112,8 @@ def summarize(events: list[dict], top: int = 5) -> dict:
     h2d = [e for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e.get("name", "")]
     h2d_overlap = 0.0
     for sid in by_stream:  # each stream's copies against the kernels of the others
-        own = [_interval(e) for e in h2d if str(e.get("args", {}).get("stream", "?")) == sid]
-        others = [_interval(e) for e in gpu if e["cat"] == "kernel"
-                  and str(e.get("args", {}).get("stream", "?")) != sid]
+        own = [_interval(e) for e in h2d if _stream(e) == sid]
+        others = [_interval(e) for e in gpu if e["cat"] == "kernel" and _stream(e) != sid]
         h2d_overlap += overlap_length(own, others)
     syncs = collections.Counter()
     sync_us = collections.Counter()
@@ -118,10 +121,9 @@ def summarize(events: list[dict], top: int = 5) -> dict:
         if e.get("cat") == "cuda_runtime" and "ynchronize" in e.get("name", ""):
             syncs[e["name"]] += 1
             sync_us[e["name"]] += float(e["dur"])
-    window = hi - lo
-    return {"gpu_events": len(gpu), "window_ms": window / 1e3,
-            "idle_ms": sum(e - s for s, e in idle) / 1e3,
-            "idle_frac": sum(e - s for s, e in idle) / window if window else 0.0,
+    window, idle_us = hi - lo, sum(e - s for s, e in idle)
+    return {"gpu_events": len(gpu), "window_ms": window / 1e3, "idle_ms": idle_us / 1e3,
+            "idle_frac": idle_us / window if window else 0.0,
             "idle_gaps_longest_ms": [round((e - s) / 1e3, 3) for s, e in idle[:top]],
             "idle_gaps_over_50us": sum(e - s > 50 for s, e in idle),
             "streams": streams,
