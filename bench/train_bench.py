@@ -157,12 +157,13 @@ def _profile(step, batches, dev: torch.device, sync, trace: str = "", sync_debug
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    debug = sync_debug and dev.type == "cuda"
     with profile(activities=acts) as prof:
-        if sync_debug and dev.type == "cuda":
+        if debug:
             torch.cuda.set_sync_debug_mode("warn")
         for b in batches:
             step(b)
-        if dev.type == "cuda":
+        if debug:
             torch.cuda.set_sync_debug_mode("default")
         sync()
     if trace:
