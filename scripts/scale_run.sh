@@ -241,7 +241,7 @@ evals)  # RUNS (e.g. "/root/w/base /root/w/new", or export directories): decoded
   for r in $RUNS; do is_export "$r" || export_run "$r" > /dev/null || exit 1; done
   decode_at_once "$out" "${exports[@]}";;
 together)  # the call also holds each run's setup before its trainer starts and its closing pass and export
-  # after (three runs on an H100: ~80 s before, over 60 s after): TLIM is only the trainers' share of the call
+  # after, all of them slower for sharing the card: TLIM is only the trainers' share of the call
   out=${OUT:-/tmp/out}; mkdir -p "$out"; pids=(); names=()
   IFS=";" read -r -a sides <<< "${SIDES:?SIDES: NAME=TRAIN_ARGS;NAME=TRAIN_ARGS;...}"
   [ ${#sides[@]} -gt 4 ] && { echo "together: 4 runs at most (2 files each come back, 8 in all)" >&2; exit 2; }
