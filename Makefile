@@ -8,7 +8,8 @@ DATA    ?=
 TARGET  ?=
 GPUS    ?=
 EXTRACT_ARGS ?=
-# CPU-sized defaults for the demo (configs/); on GPUs e.g. TRAIN_ARGS="--config configs/smollm2-h200/train.toml".
+# CPU-sized defaults for the demo (configs/); on GPUs e.g. TRAIN_ARGS="--config configs/smollm2-h200/train.toml"
+# (that preset takes Liger's loss kernel: pip install -e '.[liger]').
 TRAIN_ARGS   ?= --config configs/smollm2-demo/train.toml
 EVAL_ARGS    ?= --limit 4 --max-new-tokens 48
 NPROC   ?= 1

@@ -41,7 +41,8 @@
 # stage writes /dev/shm/val.zarr of VAL_PER_DOMAIN prompts a domain, default 32, 0 = all 264); for a CPU
 # dry run: VAL, WORKERS, EVAL_LIMIT, TOKENS, VAL_LIMIT (1000, 6, 48, 16384, 0 = all); TORCH_LOGS (train's,
 # default recompiles: why torch.compile compiled again mid-run, brought back as recompiles.txt).
-# Expects PYTHONPATH to hold the wheels (zarr, numcodecs, ...) and the packaged target or GGUF.
+# Expects PYTHONPATH to hold the wheels (zarr, numcodecs, liger-kernel for the preset's loss, ...) and the
+# packaged target or GGUF.
 set -uo pipefail
 stage=$1
 W=${W:-/root/w}; STORE=${STORE:-/dev/shm/scale.zarr}; RUN=${RUN:-$W/run}
@@ -121,8 +122,9 @@ train)
   TORCH_LOGS=${TORCH_LOGS-recompiles} timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
     --store "$STORE" --out "$RUN" --max-steps "${STEPS:-10000}" --time-limit "${TLIM:-480}" --lr "${LR:-1.2e-3}" \
     --token-budget "${TOKENS:-16384}" "${held[@]}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \
-    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile --compile-scope layers) "${resume[@]}" ${TRAIN_ARGS:-} \
-    > "$W/train.log" 2>&1  # a CPU dry run compiles nothing: the preset's whole-graph scope needs --compile
+    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile --compile-scope layers --ce-kernel torch) "${resume[@]}" \
+    ${TRAIN_ARGS:-} > "$W/train.log" 2>&1  # a CPU dry run compiles nothing (the preset's whole-graph scope
+  # needs --compile) and has no Triton for the preset's Liger kernel
   echo "train exit $?"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
   grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | python3 -c 'import json,sys

@@ -323,7 +323,7 @@ class TrainConfig:
                 self.loss_backward != "fused":
             raise ValueError("ce_kernel liger computes plain cross-entropy in the fused backward: "
                              "not with --loss kl/mix, --confidence-penalty, --markov-rank or "
-                             f"--loss-backward {self.loss_backward}")
+                             f"--loss-backward {self.loss_backward} (--ce-kernel torch with them)")
         if not liger_available():
             raise ValueError("ce_kernel liger needs the liger-kernel package: pip install "
                              "'draftcache[liger]'")
