@@ -172,6 +172,15 @@ def _profile(step, batches, dev: torch.device, sync, trace: str = "", sync_debug
     print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
 
 
+def _profiled_batches(a: argparse.Namespace, gpu: list, ds, dev: torch.device, side):
+    """--profile's batches: those already in GPU memory, or (--profile-from store) each read and
+    copied inside the profiled window, as the trainer steps."""
+    if a.profile_from == "memory":
+        return gpu[a.warmup: a.warmup + a.profile]
+    it = _store_loader(ds, a, dev)
+    return (to_device(next(it), dev, side) for _ in range(a.profile))
+
+
 def _report(a: argparse.Namespace, times: dict, waits: dict, peak_gib: float | None, *, positions: int, flops: float,
             model: torch.nn.Module, dev: torch.device) -> dict:
     """The bench's JSON line: medians over the rounds, rates, ratios to in-memory, MFU."""
@@ -317,12 +326,8 @@ def main() -> None:
     side = torch.cuda.Stream(dev) if dev.type == "cuda" else None
     variants = {"memory": in_memory, "store": lambda: from_store(None), "store_side_stream": lambda: from_store(side)}
     times, waits, peak_gib = _rounds(variants, a.rounds, dev)
-    if a.profile and a.profile_from == "memory":
-        _profile(step, gpu[a.warmup: a.warmup + a.profile], dev, sync, a.trace, a.sync_debug)
-    elif a.profile:  # each batch read and copied inside the profiled window, as the trainer steps
-        it = _store_loader(ds, a, dev)
-        _profile(step, (to_device(next(it), dev, side) for _ in range(a.profile)), dev, sync, a.trace,
-                 a.sync_debug)
+    if a.profile:
+        _profile(step, _profiled_batches(a, gpu, ds, dev, side), dev, sync, a.trace, a.sync_debug)
     row = _report(a, times, waits, peak_gib, positions=positions, flops=flops, model=model, dev=dev)
     gemm = gemm_ceiling_tflops(dev)  # after the rounds: the same clocks the step ran at
     print(json.dumps({**row, "warmup_s": warmup_s, "gemm_tflops": gemm,
