@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.numbers import check_numbers
-from train.liger_ce import liger_available
 
 __all__ = ["TrainConfig"]
 
@@ -316,7 +315,8 @@ class TrainConfig:
             raise ValueError("val_samples needs the whole store to choose from: not with follow")
 
     def _check_ce_kernel(self) -> None:
-        """--ce-kernel liger: plain CE through the fused path, with the package installed."""
+        """--ce-kernel liger: plain CE through the fused path (the GPU and the package are the run's
+        checks: train.start.loss_settings)."""
         if self.ce_kernel != "liger":
             return
         if self.loss != "ce" or self.confidence_penalty or self.markov_rank or \
@@ -324,9 +324,6 @@ class TrainConfig:
             raise ValueError("ce_kernel liger computes plain cross-entropy in the fused backward: "
                              "not with --loss kl/mix, --confidence-penalty, --markov-rank or "
                              f"--loss-backward {self.loss_backward} (--ce-kernel torch with them)")
-        if not liger_available():
-            raise ValueError("ce_kernel liger needs the liger-kernel package: pip install "
-                             "'draftcache[liger]'")
 
     def _check_choices(self) -> None:
         """Each option with a fixed set of values holds one of them."""

@@ -23,8 +23,8 @@ __all__ = ["liger_available", "liger_head_grad"]
 
 
 def liger_available() -> bool:
-    """Whether the liger-kernel package is installed (found, not imported: train.config asks
-    without loading torch)."""
+    """Whether the liger-kernel package is installed (found, not imported: importing it loads
+    Triton)."""
     return importlib.util.find_spec("liger_kernel") is not None
 
 

@@ -77,7 +77,8 @@ def test_train_ce_kernel_and_flex_kernel_map_onto_the_loss_and_refuse_what_they_
         with pytest.raises(ValueError, match="ce_kernel liger computes plain cross-entropy"):
             TrainConfig(**base, ce_kernel="liger", **bad)
     monkeypatch.setattr(liger_ce.importlib.util, "find_spec", lambda name: None)
+    cfg = TrainConfig(**base, ce_kernel="liger")  # a config (a preset, --print-config) needs no package
     with pytest.raises(ValueError, match="needs the liger-kernel package"):
-        TrainConfig(**base, ce_kernel="liger")
+        loss_settings(cfg, torch.device("cuda"), dc)
     with pytest.raises(ValueError, match="flex_kernel must be one of"):
         TrainConfig(**base, flex_kernel="fast")
