@@ -143,7 +143,8 @@ class TrainConfig:
     epochs' steps), and the run ends there with its cosine at 0. Until the second row (the first
     one's steps hold the compilation) the schedule is that cap's: set --max-steps near the steps
     expected. Stands for --time-limit when that is 0; a resumed run fits the rest of its cosine
-    into its own seconds."""
+    into its own seconds, on its checkpoint's plan until its second row (a run made in several
+    calls: the first plans the whole, cut by --time-limit)."""
     token_budget: int = 8192
     """Context tokens per micro-batch (batch size x longest sample)."""
     grad_accum: int = 1

@@ -31,6 +31,9 @@ class TrainState:
     step)."""
     in_epoch: int = 0
     """Steps of `epoch` already done: a resume skips them."""
+    planned: int = 0
+    """--schedule-seconds: the steps the run had planned at its checkpoint (0: none). A resumed run
+    follows that plan until it has measured its own step rate, not the --max-steps cap."""
     stop: str = ""
 
     def stopping(self, reason: str) -> None:

@@ -151,6 +151,9 @@ class Trainer:
         """From `state` on: the drafter compiled and wrapped for DDP, the resolved config beside
         the metrics (`python -m train --config RUN/config.toml`), the run's records opened."""
         cfg, self.state = self.cfg, state
+        # --schedule-seconds: the checkpoint's plan until this process has timed its own steps
+        if cfg.schedule_seconds and state.planned:
+            self.total = min(self.clock.cap, max(state.planned, state.step))
         # in place: parameter names (checkpoints, export) stay those of the eager model
         if cfg.compile:
             self.model.compile_layers(cfg.compile_mode, cfg.compile_scope)
@@ -274,7 +277,9 @@ class Trainer:
                             scheduler=self.sched, keep=self.cfg.keep_checkpoints,
                             state={"step": self.step, "epoch": self.state.epoch,
                                    "step_in_epoch": self.state.in_epoch,
-                                   "config": self.cfg.to_dict(), **self.record})
+                                   "config": self.cfg.to_dict(), **self.record,
+                                   **({"planned_steps": self.total}
+                                      if self.cfg.schedule_seconds else {})})
         if self.world_size > 1:
             dist.barrier()
 

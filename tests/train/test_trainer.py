@@ -336,3 +336,23 @@ def test_schedule_seconds_fit_the_cosine_to_the_seconds_and_end_it_there(store, 
     assert res["steps"] == 60 and not res["stopped_by_time"]
     assert [r.get("planned_steps") for r in rows[:3]] == [1000, 60, 60]
     assert rows[-1]["step"] == 60 and rows[-1]["lr"] < 1e-6 < rows[-2]["lr"]
+
+
+def test_a_resumed_schedule_seconds_run_follows_its_plan_not_the_cap(store, tmp_path, monkeypatch):
+    # the 60-step plan of the test above, cut by --time-limit 30 and resumed with the seconds left: the
+    # resumed process starts on the checkpoint's plan (not on the 1,000 steps --max-steps allows, which
+    # would raise the lr of its first rows), so its rows read as those of one uninterrupted run
+    trainer_clock(monkeypatch, slow="forward_backward", cost=1.0)
+    whole = tmp_path / "whole"
+    train(train_cfg(store, whole, max_steps=1000, schedule_seconds=60))
+    cut = tmp_path / "cut"
+    first = train(train_cfg(store, cut, max_steps=1000, schedule_seconds=60, time_limit=30, checkpoint_every=5))
+    assert first["stopped_by_time"] and first["steps"] < 60
+    assert load_checkpoint(latest_checkpoint(cut))[2]["planned_steps"] == 60
+    res = train(train_cfg(store, cut, max_steps=1000, schedule_seconds=60 - first["steps"], resume=True))
+    assert res["steps"] == 60
+    lr = {r["step"]: r["lr"] for r in metric_rows(whole) if "loss" in r}
+    rows = [r for r in metric_rows(cut) if "loss" in r and r["step"] > first["steps"]]
+    assert rows and all(r["planned_steps"] == 60 for r in rows)
+    for r in rows:
+        assert r["lr"] == pytest.approx(lr[r["step"]], rel=1e-6, abs=1e-9), r["step"]
