@@ -60,6 +60,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.peers_table import decode_rows, load_reports, markdown_table
+from bench.tau_difference import difference_rows
 from cache_format import CacheFormatError, StoreReader
 from train.export import as_whole_head, from_export_names, write_export
 from train.model import DrafterConfig
@@ -316,7 +317,10 @@ def main() -> None:
         elif a.do == "plan":
             print(json.dumps(probe_plan(Path(a.log).read_text(errors="replace").replace("\r", "\n"), a.seconds)))
         elif a.do == "table":
-            print(markdown_table(*decode_rows(load_reports(a.eval))))
+            reports = load_reports(a.eval)
+            print(markdown_table(*decode_rows(reports)))
+            if len(reports) > 1:  # each drafter against the first, paired over the prompts
+                print("\n" + markdown_table(*difference_rows(reports)))
         elif a.do == "check-layout":
             print(json.dumps(check_speculators_load(a.export, a.verifier)))
         else:

@@ -215,11 +215,22 @@ def _key(name: str, budget: int, budgets: list[int]) -> str:
     return name if budget == budgets[0] else f"{name}@tree{budget}"
 
 
+def _without_prompts(res: dict[str, Any]) -> dict[str, Any]:
+    """The report without its per-prompt rows, the tree curve's included (eval.json keeps them):
+    the one JSON line --json prints."""
+    curve = {b: {k: v for k, v in fig.items() if k != "prompts"}
+             for b, fig in (res.get("tree_curve") or {}).items()}
+    out = {k: v for k, v in res.items() if k != "prompts"}
+    return out | ({"tree_curve": curve} if curve else {})
+
+
 def _curve_point(r: dict[str, Any]) -> dict[str, Any]:
-    """One budget's figures in tree_curve."""
-    return {k: r[k]
-            for k in ("tau", "speedup", "tokens_per_s", "lossless", "tau_by_domain",
-                      "target_forwards")}
+    """One budget's figures in tree_curve, with each prompt's counts (a paired comparison of two
+    drafters at that budget needs them: bench/tau_difference.py)."""
+    return {**{k: r[k] for k in ("tau", "speedup", "tokens_per_s", "lossless", "tau_by_domain",
+                                 "target_forwards")},
+            "prompts": [{k: p[k] for k in ("prompt", "new_tokens", "target_forwards")}
+                        for p in r["prompts"]]}
 
 
 def _prompt_lookup(model, tok, ids: list[int], t: Tally, *, max_new_tokens: int,
@@ -290,7 +301,7 @@ def main(cfg: EvalConfig, as_json: bool) -> None:
     (out / "eval.json").write_text(json.dumps(res, indent=2))
     plot(res, out / "acceptance.png")
     if as_json:
-        click.echo(json.dumps({k: v for k, v in res.items() if k != "prompts"}))
+        click.echo(json.dumps(_without_prompts(res)))
         return
     click.echo(f"drafter {res.get('checkpoint') or res['export_path']} ({res['drafter_dtype']} "
                "weights)")

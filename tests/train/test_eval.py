@@ -111,6 +111,7 @@ def test_a_budget_curve_decodes_every_budget_losslessly_against_one_baseline(tra
     target, prompts, run = trained
     res = _eval(run, prompts, "--tree-budget", "0,4,16", "--no-prompt-lookup", "--limit", "3")
     curve = res["tree_curve"]
+    saved = json.loads((Path(run) / "eval.json").read_text())["tree_curve"]
     assert list(curve) == ["0", "4", "16"] and all(c["lossless"] for c in curve.values()) and res["lossless"]
     assert curve["0"]["tau"] == res["tau"] and res["tree_budget"] == 0
     assert "checkpoint" not in res["tau_by_domain"]  # each row named for its prompt, not its drafter
@@ -118,6 +119,12 @@ def test_a_budget_curve_decodes_every_budget_losslessly_against_one_baseline(tra
     assert curve["16"]["target_forwards"] <= curve["0"]["target_forwards"] + 2  # more nodes, not fewer accepted
     single = _eval(run, prompts, "--tree-budget", "16", "--no-prompt-lookup", "--limit", "3")
     assert single["tau"] == curve["16"]["tau"] and "tree_curve" not in single
+    # eval.json keeps each budget's per-prompt counts (a paired comparison needs them); the --json
+    # line leaves them out
+    assert all("prompts" not in c for c in curve.values())
+    for b, c in curve.items():
+        rows = saved[b]["prompts"]
+        assert len(rows) == 3 and sum(r["target_forwards"] for r in rows) == c["target_forwards"]
 
 
 @pytest.mark.parametrize("flag,value", [("--limit", "-1"), ("--max-new-tokens", "0")])
