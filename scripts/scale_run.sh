@@ -18,6 +18,7 @@
 #                                       # NAME_out.txt (log tail, recompiles) in $OUT, 4 runs at most (8 files)
 #   bash scripts/scale_run.sh eval      # the served export (bf16) against the float32 target, 48 held-out prompts
 #   bash scripts/scale_run.sh evals     # RUNS="DIR DIR": those runs' exports decoded at once, one table of τ
+#                                       # (and each one's τ minus the first's, paired over the prompts)
 #                                       # (STEP=N: each run's step-N checkpoint, not its best: equal steps)
 #   bash scripts/scale_run.sh pack      # metrics, eval.json, log tail and the bf16 export in parts into $OUT
 #   bash scripts/scale_run.sh peers     # speculators' drafter on a subset, decoded as ours (PEER_* settings);
