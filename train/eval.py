@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModel
 
+from cache_format.layout import atomic_write_bytes
 from chat.conversations import history, read_conversations, segments
 from chat.prompts import evaluation_prompts, heldout_multiturn, validation_prompts
 from runtime.cli import config_command
@@ -298,7 +299,8 @@ def main(cfg: EvalConfig, as_json: bool) -> None:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     out = Path(cfg.run or cfg.export)
-    (out / "eval.json").write_text(json.dumps(res, indent=2))
+    # whole or not at all: the tables (bench peers table) read it as the run's result
+    atomic_write_bytes(out / "eval.json", json.dumps(res, indent=2).encode())
     plot(res, out / "acceptance.png")
     if as_json:
         click.echo(json.dumps(_without_prompts(res)))

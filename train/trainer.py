@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from cache_format.layout import atomic_write_bytes
 from cache_format.lock import WriterLock
 from runtime.cli import to_toml
 from runtime.preemption import Preemption
@@ -160,7 +161,8 @@ class Trainer:
         self.ddp = (data_parallel(self.model, grad_reduce=cfg.grad_reduce)
                     if self.world_size > 1 else self.model)
         if self.rank == 0:
-            (Path(cfg.out) / "config.toml").write_text(to_toml(cfg.to_dict()))
+            # never torn: `python -m train --config RUN/config.toml` reruns it
+            atomic_write_bytes(Path(cfg.out) / "config.toml", to_toml(cfg.to_dict()).encode())
         self._open_records(cfg)
 
     def _open_records(self, cfg: TrainConfig) -> None:
