@@ -217,11 +217,12 @@ def _key(name: str, budget: int, budgets: list[int]) -> str:
 
 
 def _without_prompts(res: dict[str, Any]) -> dict[str, Any]:
-    """The report without its per-prompt rows, the tree curve's included (eval.json keeps them):
-    the one JSON line --json prints."""
+    """The report without its per-prompt rows, the tree curve's and the export's included (eval.json
+    keeps them): the one JSON line --json prints."""
     curve = {b: {k: v for k, v in fig.items() if k != "prompts"}
              for b, fig in (res.get("tree_curve") or {}).items()}
-    out = {k: v for k, v in res.items() if k != "prompts"}
+    out = {k: _without_prompts(v) if k == "export" and isinstance(v, dict) else v
+           for k, v in res.items() if k != "prompts"}
     return out | ({"tree_curve": curve} if curve else {})
 
 

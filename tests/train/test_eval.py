@@ -335,3 +335,15 @@ def test_an_export_that_does_not_match_its_config_is_refused(trained, tmp_path):
     assert res.exit_code == 2 and "unreadable export (JSONDecodeError" in res.output and "Traceback" not in res.output
 
 
+
+
+def test_the_json_line_leaves_every_per_prompt_list_out():
+    from train.eval import _without_prompts
+
+    curve = {"0": {"tau": 2.0, "prompts": [{"prompt": "a"}]}}
+    res = {"tau": 2.0, "prompts": [{"prompt": "a"}], "tree_curve": curve,
+           "export": {"tau": 1.9, "tree_curve": curve}}
+    line = _without_prompts(res)
+    assert line == {"tau": 2.0, "tree_curve": {"0": {"tau": 2.0}},
+                    "export": {"tau": 1.9, "tree_curve": {"0": {"tau": 2.0}}}}
+    assert res["tree_curve"]["0"]["prompts"]  # eval.json's report is left whole
