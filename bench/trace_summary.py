@@ -3,8 +3,8 @@
 `python -m bench train --profile N --trace FILE` writes the trace (torch.profiler's Chrome format,
 gzipped where the name ends in .gz). This sums it up as one JSON line:
 
-- the window, first GPU activity to last, and the share of it in which no kernel, copy or memset ran
-  on any stream (idle), with the longest idle gaps;
+- the window, first GPU activity to last (or from --from-ms into it), and the share of it in which
+  no kernel, copy or memset ran on any stream (idle), with the longest idle gaps;
 - per CUDA stream: its busy time (the union of its activities), its kernels and its copies;
 - the host-to-device copies: their time, and how much of it ran while a kernel ran on another
   stream (overlapped) -- a copy meant to overlap the step before that does not shows here;
@@ -93,13 +93,15 @@ def _stream(e: dict) -> str:
     return str(e.get("args", {}).get("stream", "?"))
 
 
-def summarize(events: list[dict], top: int = 5) -> dict:
-    """The summary of module docstring from complete ("X") trace events."""
+def summarize(events: list[dict], top: int = 5, from_ms: float = 0.0) -> dict:
+    """The summary of module docstring from complete ("X") trace events; the idle share and gaps
+    counted from `from_ms` into the window on."""
     gpu = [e for e in events if e.get("cat") in GPU_CATS]
     if not gpu:
         return {"gpu_events": 0}
     spans = [_interval(e) for e in gpu]
-    lo, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    first, hi = min(s for s, _ in spans), max(e for _, e in spans)
+    lo = min(hi, first + from_ms * 1e3)
     idle = sorted(gaps(spans, lo, hi), key=lambda g: g[0] - g[1])
     streams: dict[str, dict] = {}
     by_stream = collections.defaultdict(list)
@@ -122,7 +124,8 @@ def summarize(events: list[dict], top: int = 5) -> dict:
             syncs[e["name"]] += 1
             sync_us[e["name"]] += float(e["dur"])
     window, idle_us = hi - lo, sum(e - s for s, e in idle)
-    return {"gpu_events": len(gpu), "window_ms": window / 1e3, "idle_ms": idle_us / 1e3,
+    return {"gpu_events": len(gpu), **({"from_ms": from_ms} if from_ms else {}),
+            "window_ms": window / 1e3, "idle_ms": idle_us / 1e3,
             "idle_frac": idle_us / window if window else 0.0,
             "idle_gaps_longest_ms": [round((e - s) / 1e3, 3) for s, e in idle[:top]],
             "idle_gaps_over_50us": sum(e - s > 50 for s, e in idle),
@@ -136,10 +139,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench trace", description=__doc__.splitlines()[0])
     ap.add_argument("trace", type=Path, help="a Chrome trace from bench train --profile N --trace FILE")
     ap.add_argument("--top", type=int, default=5, help="how many of the longest idle gaps to list")
+    ap.add_argument("--from-ms", type=float, default=0.0,
+                    help="count the idle share from this far into the window on: the profiled steps start "
+                         "after a sync, so the GPU idles while the host queues the first one")
     a = ap.parse_args(argv)
     if not a.trace.is_file():
         raise SystemExit(f"error: {a.trace}: no such file")
-    json.dump(summarize(_events(a.trace), a.top), sys.stdout)
+    if a.from_ms < 0:
+        raise SystemExit(f"error: --from-ms {a.from_ms}: must be >= 0")
+    json.dump(summarize(_events(a.trace), a.top, a.from_ms), sys.stdout)
     print()
 
 

@@ -45,6 +45,10 @@ def test_a_trace_summed_up(tmp_path):
     assert s["streams"]["7"] == {"busy_ms": 0.25, "kernels": 3, "copies": 0}
     assert s["h2d_ms"] == 0.18 and abs(s["h2d_overlapped_ms"] - 0.03) < 1e-12
     assert s["host_syncs"] == {"cudaStreamSynchronize": {"count": 1, "ms": 0.09}}
+    # from 0.35 ms into the window on: 350..500, idle 350..400
+    late = summarize([e for e in _trace()["traceEvents"] if e["ph"] == "X"], from_ms=0.35)
+    assert late["from_ms"] == 0.35 and abs(late["window_ms"] - 0.15) < 1e-12
+    assert abs(late["idle_ms"] - 0.05) < 1e-12 and late["idle_gaps_longest_ms"] == [0.05]
     f = tmp_path / "t.json.gz"
     with gzip.open(f, "wt") as out:
         json.dump(_trace(), out)
