@@ -10,25 +10,31 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["decode_rows", "load_reports", "markdown_table"]
+__all__ = ["budget_figures", "budgets_of", "decode_rows", "load_reports", "markdown_table"]
 
 
-def _budgets(report: dict) -> dict[int, dict]:
-    """A report's figures by tree budget (0: the chain); a report without a tree curve is a chain."""
+def budget_figures(report: dict) -> dict[int, dict]:
+    """A report's figures by tree budget (0: the chain); a report without a tree curve holds its one
+    budget's."""
     curve = report.get("tree_curve") or {}
     if curve:
         return {int(b): fig for b, fig in curve.items()}
     return {int(report.get("tree_budget", 0)): report}
 
 
+def budgets_of(reports: dict[str, dict]) -> list[int]:
+    """Every tree budget any of the reports holds, in order."""
+    return sorted({b for r in reports.values() for b in budget_figures(r)})
+
+
 def decode_rows(reports: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     """reports {name: eval report} -> (header, rows): per drafter, τ and each domain's τ at every
     budget any report holds ("—" where its report lacks that budget), then lossless (yes where every
     budget it decoded was)."""
-    budgets = sorted({b for r in reports.values() for b in _budgets(r)})
+    budgets = budgets_of(reports)
     domains: list[str] = []
     for r in reports.values():
-        for fig in _budgets(r).values():
+        for fig in budget_figures(r).values():
             domains += [d for d in fig.get("tau_by_domain", {}) if d not in domains]
     header = ["drafter"]
     for b in budgets:
@@ -36,7 +42,7 @@ def decode_rows(reports: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
         header += [f"{label} τ"] + [f"{label} {d}" for d in domains]
     rows = []
     for name, r in reports.items():
-        figs, row = _budgets(r), [name]
+        figs, row = budget_figures(r), [name]
         for b in budgets:
             fig = figs.get(b)
             by = fig.get("tau_by_domain", {}) if fig else {}

@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from bench.peers_table import budget_figures, budgets_of
+
 __all__ = ["difference_rows", "prompt_counts", "tau_difference"]
 
 
 def prompt_counts(report: dict, budget: int) -> dict[str, tuple[int, int]] | None:
     """A train.eval report's {prompt: (new tokens, target forwards)} at tree `budget` (0: the
     chain); None where the report holds no per-prompt counts for it."""
-    if budget == report.get("tree_budget", 0) and report.get("prompts"):
-        rows = report["prompts"]
-    else:
-        rows = ((report.get("tree_curve") or {}).get(str(budget)) or {}).get("prompts")
+    rows = (budget_figures(report).get(budget) or {}).get("prompts")
+    if not rows and budget == report.get("tree_budget", 0):
+        rows = report.get("prompts")  # a curve written without them: the report's rows are its first budget's
     if not rows:
         return None
     return {r["prompt"]: (int(r["new_tokens"]), int(r["target_forwards"])) for r in rows}
@@ -62,8 +63,7 @@ def difference_rows(reports: dict[str, dict]) -> tuple[list[str], list[list[str]
     """reports {name: train.eval report} -> (header, rows): each drafter after the first, its τ
     minus the first's at every budget the reports hold, with the 95% interval over the prompts ("—"
     where either report lacks that budget's per-prompt counts)."""
-    budgets = sorted({int(r.get("tree_budget", 0)) for r in reports.values()}
-                     | {int(b) for r in reports.values() for b in (r.get("tree_curve") or {})})
+    budgets = budgets_of(reports)
     first, *rest = list(reports)
     header = [f"drafter − {first}"] + [("chain" if b == 0 else f"tree {b}") + " Δτ [95%]"
                                        for b in budgets]
