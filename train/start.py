@@ -288,11 +288,12 @@ def loss_settings(cfg: TrainConfig, device: torch.device, dc: DrafterConfig) -> 
     """How every micro-batch of the run becomes a loss (train.step.LossSettings) from the config."""
     # what the machine has is checked here, at the run's start, not in the config: a config (a
     # preset, --print-config) is valid on a machine without the GPU or the package
-    if cfg.ce_kernel == "liger" and device.type != "cuda":
-        raise ValueError("ce_kernel liger needs a GPU (Liger's kernel is Triton); use torch")
-    if cfg.ce_kernel == "liger" and not liger_available():
-        raise ValueError("ce_kernel liger needs the liger-kernel package: pip install "
-                         "'draftcache[liger]'")
+    if cfg.ce_kernel == "liger":
+        if device.type != "cuda":
+            raise ValueError("ce_kernel liger needs a GPU (Liger's kernel is Triton); use torch")
+        if not liger_available():
+            raise ValueError("ce_kernel liger needs the liger-kernel package: pip install "
+                             "'draftcache[liger]'")
     return LossSettings(block_size=cfg.block_size, gamma=cfg.gamma or default_gamma(cfg.block_size),
                         kl_weight=cfg.effective_kl_weight, divergence=cfg.divergence,
                         confidence_penalty=cfg.confidence_penalty,
