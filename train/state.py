@@ -34,6 +34,10 @@ class TrainState:
     planned: int = 0
     """--schedule-seconds: the steps the run had planned at its checkpoint (0: none). A resumed run
     follows that plan until it has measured its own step rate, not the --max-steps cap."""
+    pause_s: float = 0.0
+    """The longest held-out pass + checkpoint of the run so far (its checkpoint's): the room kept
+    before --time-limit and what --schedule-seconds plans for each pass, known to a resumed process
+    before its own first pass (0: none yet)."""
     stop: str = ""
 
     def stopping(self, reason: str) -> None:

@@ -201,12 +201,13 @@ def _tau_keys(s: _Reduced, prefix: str, name: str, groups) -> dict[str, Any]:
 @torch.no_grad()
 def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int,
                      loss: LossSettings, groups: dict[str, torch.Tensor] | None = None,
-                     tree_budgets: tuple[int, ...] = ()) -> dict[str, Any]:
-    """Over the held-out micro-batches (all ranks; an anchor at every response position): the
-    teacher-forced loss, per-slot accuracy and sim_tau, and val_decode_tau, speculative decoding
-    replayed along the stored responses (train.replay.replay_counts), whole and over the first
-    DECODE_WINDOW tokens of each answer. The loss is the plain decayed
-    one whatever the run trains with, so runs with other weightings compare.
+                     tree_budgets: tuple[int, ...] = (), limit: int = 0) -> dict[str, Any]:
+    """Over the held-out micro-batches (the first `limit`, 0: all; all ranks; an anchor at every
+    response position): the teacher-forced loss, per-slot accuracy and sim_tau, and
+    val_decode_tau, speculative decoding replayed along the stored responses
+    (train.replay.replay_counts), whole and over the first DECODE_WINDOW tokens of each answer. The
+    loss is the plain decayed one whatever the run trains with, so runs with other weightings
+    compare.
 
     groups: name -> int64 sample ids (e.g. the held-out prompts' domains); the window's τ is also
     given per group, as val_decode_tau_96_by_domain (the same names on every rank).
@@ -225,7 +226,7 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
         for name in ("replay_tokens", "replay_forwards", "window_tokens", "window_forwards",
                      *(f"{g}:{n}" for g in groups for n in ("tokens", "forwards"))):
             stats.add_sum(p + name, 0)
-    for i in range(len(ds)):
+    for i in range(min(limit, len(ds)) if limit else len(ds)):
         batch = to_device(ds[i], device)
         out = forward_loss(model, batch, plain, replay=True, tree_budgets=tree_budgets)
         stats.add(out, batch, by_weight=True)

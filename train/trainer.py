@@ -24,11 +24,7 @@ from runtime.preemption import Preemption
 from runtime.world import World, any_rank
 from train.checkpoint import best_checkpoint, save_best, save_checkpoint
 from train.config import TrainConfig
-from train.data import (
-    CollateSettings,
-    holdout_mask,
-    to_device,
-)
+from train.data import CollateSettings, holdout_mask, to_device
 from train.data_parallel import data_parallel
 from train.follow import WriterWatch
 from train.losses import acceptance_from_acc
@@ -76,7 +72,6 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, preempt: Preemption | None = None) -> None:
-        # closing_s: kept free before --time-limit
         self.cfg, self.t_start, self.closing_s = cfg, time.time(), 0.0
         self.preempt = preempt or Preemption()  # one not entered never notes a signal
         world = World.from_env()
@@ -151,7 +146,7 @@ class Trainer:
     def _begin(self, state: TrainState) -> None:
         """From `state` on: the drafter compiled and wrapped for DDP, the resolved config beside
         the metrics (`python -m train --config RUN/config.toml`), the run's records opened."""
-        cfg, self.state = self.cfg, state
+        cfg, self.state, self.closing_s = self.cfg, state, state.pause_s
         # --schedule-seconds: the checkpoint's plan until this process has timed its own steps
         if cfg.schedule_seconds and state.planned:
             self.total = min(self.clock.cap, max(state.planned, state.step))
@@ -164,6 +159,11 @@ class Trainer:
             # never torn: `python -m train --config RUN/config.toml` reruns it
             atomic_write_bytes(Path(cfg.out) / "config.toml", to_toml(cfg.to_dict()).encode())
         self._open_records(cfg)
+        if self.held_out.ds is not None and (cfg.time_limit or cfg.schedule_seconds):
+            # a process's first held-out pass also compiles the drafter's no_grad graph: done here,
+            # before the step rate's first row, every pass the time limit keeps room for and the
+            # schedule plans is a steady one (else each is planned at the first one's cost)
+            self.holdout_row(limit=1)
 
     def _open_records(self, cfg: TrainConfig) -> None:
         """The metrics log, the held-out set and the best score so far."""
@@ -180,7 +180,6 @@ class Trainer:
         """Optimizer steps done (the state's)."""
         return self.state.step
 
-    # ------------------------------------------------------------------ the plan
     # ------------------------------------------------------------------ the steps
     def train_step(self, batches) -> None:
         """One optimizer step over --grad-accum micro-batches from `batches` (gradients synced on
@@ -215,8 +214,8 @@ class Trainer:
 
     def plan_steps(self) -> None:
         """--schedule-seconds: the run's steps planned anew (train.step.fitted_steps) from the step
-        rate since the first row and the longest pause so far; every rank plans alike from the
-        slowest rank's figures."""
+        rate since the first row and the longest pause so far (a resumed process: its checkpoint's
+        from the start); every rank plans alike from the slowest rank's figures."""
         now = time.time()
         step_s = self.clock.step_seconds(now, self.step)
         if step_s is None:
@@ -226,7 +225,9 @@ class Trainer:
             dist.all_reduce(fig, op=dist.ReduceOp.MAX)
         elapsed, step_s = fig.tolist()
         every = self.cfg.val_every if self.held_out.ds is not None else 0
-        left = self.cfg.schedule_seconds - elapsed - self.closing_s
+        # room for the closing pass, and for the one right after this row on a --val-every step
+        pending = every > 0 and self.step % every == 0
+        left = self.cfg.schedule_seconds - elapsed - self.closing_s * (1 + pending)
         self.total = fitted_steps(self.step, left, max(step_s, 1e-9), pause_s=self.closing_s,
                                   pause_every=every, cap=self.clock.cap)
         self.bar.total = self.total
@@ -253,10 +254,7 @@ class Trainer:
         """Held-out loss, accuracy, sim_tau and decode τ; a new best decode τ is kept as
         checkpoints/best-STEP."""
         self.check_finite()
-        budget = self.cfg.val_tree_budget
-        row = evaluate_holdout(self.model, self.held_out.ds, self.device, world=self.world_size,
-                               loss=self.loss, groups=self.held_out.groups,
-                               tree_budgets=(budget,) if budget else ())
+        row = self.holdout_row()
         self.log.write({"step": self.step, "epoch": epoch, **row})
         # every rank holds the all-reduced row: all agree
         if self.held_out.note(row[self.held_out.by]):
@@ -266,6 +264,13 @@ class Trainer:
                                  "config": self.cfg.to_dict(), **self.record})
             if self.world_size > 1:
                 dist.barrier()
+
+    def holdout_row(self, limit: int = 0) -> dict[str, Any]:
+        """The held-out figures over the first `limit` micro-batches (0: all)."""
+        budget = self.cfg.val_tree_budget
+        return evaluate_holdout(self.model, self.held_out.ds, self.device, world=self.world_size,
+                                loss=self.loss, groups=self.held_out.groups,
+                                tree_budgets=(budget,) if budget else (), limit=limit)
 
     def save(self) -> None:
         """A step-N checkpoint that resumes at the state's (epoch, step in epoch); once per step."""
@@ -280,6 +285,7 @@ class Trainer:
                             state={"step": self.step, "epoch": self.state.epoch,
                                    "step_in_epoch": self.state.in_epoch,
                                    "config": self.cfg.to_dict(), **self.record,
+                                   "pause_seconds": self.closing_s,
                                    **({"planned_steps": self.total}
                                       if self.cfg.schedule_seconds else {})})
         if self.world_size > 1:
