@@ -1,7 +1,9 @@
-"""The held-out tree replay with a dependence head: trees at every block against trees at the blocks
-decoding visits only (train.replay.tree_accepts vs visited_tree_accepts), on synthetic drafts.
+"""The held-out tree replay: trees at every block against trees at the blocks decoding visits only
+(train.replay.tree_accepts vs visited_tree_accepts), on synthetic drafts, with a dependence head
+or (--rank 0) without, as the preset's plain drafter replays its held-out trees.
 
     python -m bench replay --samples 16 --anchors 512 --vocab 12288 --rank 256 --budget 128
+    python -m bench replay --samples 16 --anchors 512 --vocab 12288 --rank 0 --budget 128
 
 One micro-batch of SAMPLES answers with an anchor at every position, as a held-out batch has them.
 The drafter's rows are random; each label is the drafter's own argmax with probability --hit (else a
@@ -24,7 +26,7 @@ from train.markov_head import MarkovHead
 from train.replay import decode_visits, replay_counts, tree_accepts, visited_tree_accepts
 
 
-def synthetic_batch(a: argparse.Namespace, dev: torch.device) -> tuple[dict, MarkovHead]:
+def synthetic_batch(a: argparse.Namespace, dev: torch.device) -> tuple[dict, MarkovHead | None]:
     """The replay's inputs: hidden [b, N*bs, H], labels, roots, lm_head [V, H], anchors, spans."""
     g = torch.Generator().manual_seed(0)
     b, n, bs = a.samples, a.anchors, a.block_size
@@ -34,14 +36,14 @@ def synthetic_batch(a: argparse.Namespace, dev: torch.device) -> tuple[dict, Mar
     miss = torch.rand(b, n * bs, generator=g) > a.hit
     labels = torch.where(miss, torch.randint(0, a.vocab, (b, n * bs), generator=g), labels)
     labels.view(b, n, bs)[..., 0] = IGNORE
-    head = MarkovHead(a.vocab, a.vocab, a.rank)
+    head = MarkovHead(a.vocab, a.vocab, a.rank) if a.rank else None
     with torch.no_grad():
-        for p in head.parameters():
+        for p in head.parameters() if head is not None else ():
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)
     batch = {"hidden": hidden, "labels": labels, "roots": torch.randint(0, a.vocab, (b, n * bs), generator=g),
              "lm_head": lm_head, "anchors": torch.arange(n).expand(b, n).contiguous(),
              "spans": torch.zeros(b, n, dtype=torch.long)}
-    return {k: v.to(dev) for k, v in batch.items()}, head.to(dev)
+    return {k: v.to(dev) for k, v in batch.items()}, head.to(dev) if head is not None else None
 
 
 def _timed(fn, reps: int, dev: torch.device) -> tuple[float, torch.Tensor]:
@@ -57,15 +59,18 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--vocab", type=int, default=12288, help="the drafter's vocabulary (the draft vocabulary)")
-    ap.add_argument("--rank", type=int, default=256, help="the Markov head's rank")
+    ap.add_argument("--rank", type=int, default=256, help="the Markov head's rank (0: no head, the plain drafter)")
     ap.add_argument("--budget", type=int, default=128, help="tree nodes (the preset's --val-tree-budget)")
     ap.add_argument("--hit", type=float, default=0.8, help="chance a label is the drafter's argmax")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
+    if a.rank < 0:
+        ap.error(f"--rank {a.rank}: a head's rank is 1 or more, 0 for none")
     dev = torch.device(a.device)
     x, head = synthetic_batch(a, dev)
-    kw = {"block_size": a.block_size, "budget": a.budget, "head": head, "roots": x["roots"]}
+    kw = {"block_size": a.block_size, "budget": a.budget,
+          **({"head": head, "roots": x["roots"]} if head is not None else {})}
     args = (x["hidden"], x["labels"], x["lm_head"])
     t_every, every = _timed(lambda: tree_accepts(*args, **kw), a.reps, dev)
     t_visit, visited = _timed(lambda: visited_tree_accepts(*args, x["anchors"], x["spans"], **kw), a.reps, dev)

@@ -167,6 +167,12 @@ def test_replay_suite_times_both_paths_and_they_replay_alike():
     res = json.loads(p.stdout.splitlines()[-1])
     assert res["same_tau"] and res["tau"] > 1.2 and res["visited_blocks"] < res["blocks"] == 120
     assert res["seconds_every"] > 0 and res["seconds_visited"] > 0
+    # without a head (--rank 0), as the preset's plain drafter replays its held-out trees
+    p = _bench("replay", "--samples", "3", "--anchors", "40", "--hidden", "16", "--vocab", "64", "--rank", "0",
+               "--budget", "8", "--reps", "1", "--device", "cpu")
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(p.stdout.splitlines()[-1])
+    assert res["same_tau"] and res["tau"] > 1.2 and res["rank"] == 0 and res["visited_blocks"] < res["blocks"]
 
 
 def test_recompiles_suite_counts_the_graphs_after_each_micro_batch():
