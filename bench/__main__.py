@@ -31,7 +31,7 @@ SUITES = {
     "regen": ("bench.regen_bench", "regeneration engines side by side (static, HF generate, continuous batching)"),
     "openai": ("bench.openai_bench", "the openai engine against a local `transformers serve`"),
     "vocab": ("bench.vocab_bench", "a draft vocabulary's coverage of the target's greedy answers, by size (CPU)"),
-    "replay": ("bench.replay_bench", "the held-out tree replay with a Markov head: trees at every block vs the visited"),
+    "replay": ("bench.replay_bench", "the held-out tree replay (a Markov head or none): trees at every block vs the visited"),
     "loss-kernel": ("bench.loss_kernel_bench", "the draft loss's chunks: ours against Liger's kernels (GPU)"),
     "trace": ("bench.trace_summary", "a profiled stretch's GPU idle time, streams, copies overlapped (bench train --trace)"),
     "recompiles": ("bench.recompile_bench", "how often a compiled drafter compiles over a run's micro-batch shapes"),
