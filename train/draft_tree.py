@@ -55,6 +55,31 @@ def _ranked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sort(x, dim=-1, descending=True, stable=True)
 
 
+def _rank_keys(x: torch.Tensor) -> torch.Tensor:
+    """x [..., V] float (no NaN) -> int64 keys [..., V], all distinct, whose descending order is
+    _ranked's: the value's float32 bits made order-keeping in the high half, the index reversed in
+    the low half (ties to the lower index). A top-k of them is a sort's first k without the whole
+    sort of V; `+ 0.0` makes -0.0 the +0.0 it equals."""
+    bits = (x.float() + 0.0).view(torch.int32).long()
+    # a negative float's magnitude bits count the wrong way: flipped, the order is the values'
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    n = x.shape[-1]
+    return key * 2 ** 32 + (n - 1 - torch.arange(n, device=x.device))
+
+
+def _pair_ranks(f: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (parent rank, token rank) pairs (i, j) of an F x F grid with (i + 1)(j + 1) <= F, in
+    row-major order, [M] each (M ~ F ln F): where parents and tokens both come best first, any other
+    pair is outranked by the (i + 1)(j + 1) > F pairs above and left of it (no lower score, no later
+    in index order), so the F best of the grid are among these. Made on the device: no host sync."""
+    rows = torch.arange(f, device=device)
+    counts = f // (rows + 1)  # [F] pairs in each row
+    m = sum(f // (i + 1) for i in range(f))
+    row = torch.repeat_interleave(rows, counts, output_size=m)  # [M]
+    start = torch.cumsum(counts, 0) - counts
+    return row, torch.arange(m, device=device) - start[row]
+
+
 def _pad(x: torch.Tensor, size: int, value: float) -> torch.Tensor:
     """x [..., M] -> [..., max(M, size)], padded with `value`."""
     if x.shape[-1] >= size:
@@ -67,9 +92,12 @@ def _best(x: torch.Tensor, k: int, exact: bool = True) -> tuple[torch.Tensor, to
     V < k), ties in index order; `exact` False: a top-k instead of a whole sort, which may pick
     other tokens among ties at the k-th value (the dependence head's [F, V] rows, where a sort is
     costly)."""
-    if exact or k >= x.shape[-1]:
+    if k >= x.shape[-1]:
         v, i = _ranked(x)
         return _pad(v, k, float("-inf"))[..., :k], _pad(i, k, 0)[..., :k].long()
+    if exact:
+        i = torch.topk(_rank_keys(x), k, dim=-1).indices  # [..., k] in rank order
+        return x.gather(-1, i), i
     v, i = torch.topk(x, k, dim=-1)
     # index order first, so the stable sort by value keeps ties by index
     i, o = torch.sort(i, dim=-1)
@@ -97,15 +125,18 @@ def build_tree(logp: torch.Tensor, budget: int, root: torch.Tensor | int = 0, wi
     tv, ti = _best(logp if bias is None else logp[..., :1, :], f)
     scores, tokens = [tv[..., 0, :]], [ti[..., 0, :]]
     parent_slot = [torch.zeros_like(ti[..., 0, :])]
+    pi, pj = _pair_ranks(f, logp.device) if bias is None else (None, None)  # [M]
     # depth d+1: the F best of F parents x K tokens, parents' order first
     for d in range(1, d_slots):
-        if bias is None:
-            # [..., 1, F], [..., F, F]
-            cv, ci = tv[..., d, None, :], ti[..., d, None, :].expand(*batch, f, f)
-        else:
-            # [..., F, V]
-            cond = torch.log_softmax(logp[..., d, None, :] + bias(tokens[-1]).float(), -1)
-            cv, ci = _best(cond, k, exact=False)  # [..., F, K]
+        if bias is None:  # one shared token list: only the pairs that can rank in the F best
+            s, pos = _ranked(scores[-1][..., pi] + tv[..., d, pj])  # [..., M]
+            scores.append(s[..., :f])
+            parent_slot.append(pi[pos[..., :f]])
+            tokens.append(ti[..., d, :].gather(-1, pj[pos[..., :f]]))
+            continue
+        # [..., F, V]
+        cond = torch.log_softmax(logp[..., d, None, :] + bias(tokens[-1]).float(), -1)
+        cv, ci = _best(cond, k, exact=False)  # [..., F, K]
         cand = (scores[-1][..., :, None] + cv).flatten(-2)  # [..., F*K]
         s, idx = _ranked(cand)
         s, idx = _pad(s, f, float("-inf"))[..., :f], _pad(idx, f, 0)[..., :f]  # [..., F]

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from train.draft_tree import ancestor_mask, build_tree, walk_tree
+from train.draft_tree import _best, _ranked, ancestor_mask, build_tree, walk_tree
 
 
 def _oracle(logp: torch.Tensor, budget: int, width: int = 0) -> list[tuple[tuple[int, ...], float]]:
@@ -70,6 +70,31 @@ def test_the_tree_is_the_budgets_best_prefixes_with_ties_and_impossible_tokens(s
     assert int(tree.valid.sum()) == len(want) + 1  # N larger than the tree can hold: the rest invalid
     assert all(int(tree.parents[i]) < i for i in range(1, budget + 1) if tree.valid[i])  # parents first
     assert tree.depths.tolist()[1:len(want) + 1] == [len(p) for p, _ in want]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_top_k_by_rank_keys_is_the_whole_sorts_first_k(seed):
+    # ties (a few distinct values), -0.0 beside +0.0, -inf: the k best in the sort's order, ties by index
+    g = torch.Generator().manual_seed(seed)
+    x = -torch.randint(0, 4, (3, 5, 300), generator=g).float() / 2
+    x[torch.rand(x.shape, generator=g) < 0.3] = float("-inf")
+    x[torch.rand(x.shape, generator=g) < 0.1] = 0.0  # +0.0 among the -0.0 of -randint
+    x[..., 7] = torch.randn(3, 5, generator=g) - 3
+    for k in (1, 17, 128, 299):
+        v, i = _best(x, k)
+        sv, si = _ranked(x)
+        assert torch.equal(i, si[..., :k]) and torch.equal(v, sv[..., :k])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_larger_trees_over_a_wider_vocabulary_are_the_best_prefixes(seed):
+    # the depth's candidates cut to the pairs that can rank (train.draft_tree._pair_ranks), on trees
+    # large against a vocabulary of 12 (the test above holds 5 tokens at most), with ties
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.randint(0, 4, (3, 12), generator=g).float() if seed % 2 else \
+        torch.log_softmax(torch.randn(3, 12, generator=g), -1)
+    for budget, width in ((30, 0), (64, 0), (100, 9)):
+        _same(_prefixes(build_tree(logp, budget, width=width)), _oracle(logp, budget, width))
 
 
 def test_a_batch_of_blocks_builds_each_blocks_own_tree():
