@@ -15,8 +15,9 @@ ties by their parent's rank, then by the token's rank in its slot (log-probabili
 depths, by score, ties to the shallower, then by rank within the depth. A parent then always ranks
 before its children. `build_tree` finds the N best without enumerating: depth d's N best extend
 depth d-1's N best by each slot's N best tokens (a prefix outranked by N others at its depth has N
-outranking extensions too), so each depth is one sort of N x N candidates, with fixed shapes and no
-host sync (a CUDA graph can hold it).
+outranking extensions too). Of those N x N candidates only the ~N ln N that N others cannot outrank
+are sorted (_pair_ranks), and each slot's N best tokens come from a top-k, not a sort of the
+vocabulary: fixed shapes and no host sync (a CUDA graph can hold it).
 
 With a dependence head (a Markov head: `bias`), slot d+1's distribution depends on the token
 drafted at slot d: a prefix's children are scored by log_softmax(logp[d+1] + bias(its last token)).
@@ -71,13 +72,13 @@ def _pair_ranks(f: int, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
     """The (parent rank, token rank) pairs (i, j) of an F x F grid with (i + 1)(j + 1) <= F, in
     row-major order, [M] each (M ~ F ln F): where parents and tokens both come best first, any other
     pair is outranked by the (i + 1)(j + 1) > F pairs above and left of it (no lower score, no later
-    in index order), so the F best of the grid are among these. Made on the device: no host sync."""
-    rows = torch.arange(f, device=device)
-    counts = f // (rows + 1)  # [F] pairs in each row
+    in index order), so the F best of the grid are among these. One sort of the grid's indices, the
+    pairs first: fixed shapes, no host sync."""
+    grid = torch.arange(f * f, device=device)  # [F*F] row-major
     m = sum(f // (i + 1) for i in range(f))
-    row = torch.repeat_interleave(rows, counts, output_size=m)  # [M]
-    start = torch.cumsum(counts, 0) - counts
-    return row, torch.arange(m, device=device) - start[row]
+    pair = (grid // f + 1) * (grid % f + 1) <= f  # [F*F]
+    keep = torch.sort(torch.where(pair, grid, grid + f * f)).values[:m]  # [M]
+    return keep // f, keep % f
 
 
 def _pad(x: torch.Tensor, size: int, value: float) -> torch.Tensor:
