@@ -9,7 +9,7 @@
 #   bash scripts/gpu_rates.sh levers     # 1 GPU: the step's levers at the preset's shape (LEVERS: which)
 #   bash scripts/gpu_rates.sh recompiles # 1 GPU: how often the preset's compiled drafter compiles, padded or not
 #   bash scripts/gpu_rates.sh levprofile # 1 GPU: the preset's step under torch.profiler (--profile-from store in LEVERS: steps fed from the store)
-#   bash scripts/gpu_rates.sh replay losskernel  # 1 GPU: bench replay; bench loss-kernel (ours vs Liger)
+#   bash scripts/gpu_rates.sh replay losskernel  # 1 GPU: bench replay (with a head, and --rank 0); bench loss-kernel (ours vs Liger)
 #   bash scripts/gpu_rates.sh ddp        # x2: DDP 1 vs 2 GPUs, compiled, one call (cold: too long for 10 min)
 #   bash scripts/gpu_rates.sh ddp1 wait ddp2 savecache  # x2 cold, one call with TL1=300 TL2=200: the 1-GPU
 #                                      #   compiled run on GPU 0, then 2 GPUs, warm
@@ -110,8 +110,10 @@ levprofile)  # 1 GPU: the preset's shape under torch.profiler, the top CUDA ops 
     python3 -m bench trace "$OUT/$TRACE" | sed "s|^{|{\"trace\": \"$TRACE\", |" | tee -a "$OUT/trace_summary.jsonl"
   fi
   ;;
-replay)  # 1 GPU: the held-out tree replay with the Markov head, trees at every block vs at the visited ones
+replay)  # 1 GPU: the held-out tree replay with the Markov head and without one (the preset's plain drafter),
+  # trees at every block vs at the visited ones
   timeout 300 python3 -m bench replay 2>&1 | tail -n 1 | tee "$OUT/replay.json"
+  timeout 300 python3 -m bench replay --rank 0 2>&1 | tail -n 1 | tee "$OUT/replay_plain.json"
   ;;
 losskernel)  # 1 GPU: the draft loss's chunks at the preset's shape, ours against Liger's kernels (its wheel carried)
   timeout 300 python3 -m bench loss-kernel 2>&1 | tail -n 1 | tee "$OUT/loss_kernel.json"
