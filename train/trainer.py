@@ -72,7 +72,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, preempt: Preemption | None = None) -> None:
-        self.cfg, self.t_start, self.closing_s = cfg, time.time(), 0.0
+        self.cfg, self.t_start = cfg, time.time()
         self.preempt = preempt or Preemption()  # one not entered never notes a signal
         world = World.from_env()
         self.rank, self.world_size = world.rank, world.world_size
@@ -146,7 +146,7 @@ class Trainer:
     def _begin(self, state: TrainState) -> None:
         """From `state` on: the drafter compiled and wrapped for DDP, the resolved config beside
         the metrics (`python -m train --config RUN/config.toml`), the run's records opened."""
-        cfg, self.state, self.closing_s = self.cfg, state, state.pause_s
+        cfg, self.state = self.cfg, state
         # --schedule-seconds: the checkpoint's plan until this process has timed its own steps
         if cfg.schedule_seconds and state.planned:
             self.total = min(self.clock.cap, max(state.planned, state.step))
@@ -227,8 +227,8 @@ class Trainer:
         every = self.cfg.val_every if self.held_out.ds is not None else 0
         # room for the closing pass, and for the one right after this row on a --val-every step
         pending = every > 0 and self.step % every == 0
-        left = self.cfg.schedule_seconds - elapsed - self.closing_s * (1 + pending)
-        self.total = fitted_steps(self.step, left, max(step_s, 1e-9), pause_s=self.closing_s,
+        left = self.cfg.schedule_seconds - elapsed - self.state.pause_s * (1 + pending)
+        self.total = fitted_steps(self.step, left, max(step_s, 1e-9), pause_s=self.state.pause_s,
                                   pause_every=every, cap=self.clock.cap)
         self.bar.total = self.total
 
@@ -285,7 +285,7 @@ class Trainer:
                             state={"step": self.step, "epoch": self.state.epoch,
                                    "step_in_epoch": self.state.in_epoch,
                                    "config": self.cfg.to_dict(), **self.record,
-                                   "pause_seconds": self.closing_s,
+                                   "pause_seconds": self.state.pause_s,
                                    **({"planned_steps": self.total}
                                       if self.cfg.schedule_seconds else {})})
         if self.world_size > 1:
@@ -319,7 +319,7 @@ class Trainer:
                 # the closing held-out pass and checkpoint must fit in the limit too: stop that much
                 # early
                 limit = cfg.time_limit or cfg.schedule_seconds
-                deadline = self.t_start + limit - self.closing_s
+                deadline = self.t_start + limit - self.state.pause_s
                 if (limit and self.step < self.total
                         and any_rank_past(deadline, self.device, self.world_size)):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
@@ -339,7 +339,7 @@ class Trainer:
             self.stats.pause(paused)  # a row rates training steps, not validation or saving
             self.clock.paused += paused
             # the longest held-out pass + checkpoint so far
-            self.closing_s = max(self.closing_s, paused)
+            self.state.pause_s = max(self.state.pause_s, paused)
             if self.step >= self.total:
                 self.state.stopping("steps")
             if self.state.stop:
