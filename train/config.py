@@ -37,7 +37,9 @@ FLEX_KERNEL_NAMES = ("default", "tuned")
 RESIDUAL_DTYPES = ("float32", "bfloat16")
 # FlexAttention BlockMask tiles (train.masks): inductor's one default kernel takes 128-row tiles, so
 # a smaller one needs the autotuned modes, whose candidates include 32- and 64-row kernels.
-MASK_TILES = (32, 64, 128)
+# inductor's FlexAttention kernels under max-autotune need the mask's tile to be a multiple of their
+# own BLOCK_M and BLOCK_N; a 32-row tile is not (torch 2.11 refuses it while lowering, on the GPU)
+MASK_TILES = (64, 128)
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -225,7 +227,7 @@ class TrainConfig:
     """FlexAttention's kernel tiles: default (inductor's) or tuned (what max-autotune picked for the
     H200 preset's step, without its minutes of autotuning: train.masks.FLEX_KERNELS)."""
     mask_tile: int = 128
-    """FlexAttention's BlockMask tile, 32, 64 or 128 (default): a smaller one skips more of the
+    """FlexAttention's BlockMask tile, 64 or 128 (default): a smaller one skips more of the
     mostly hidden tiles around the draft blocks (exact); below 128 it needs a max-autotune
     --compile-mode, whose kernels come in the smaller tiles."""
     compile: bool = False

@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from train.anchors import build_blocks, sample_anchors
+from train.config import MASK_TILES
 from train.losses import Weighting
 from train.masks import FLEX_KERNELS, FLEX_TILE, block_tiles
 from train.model import DFlashDrafter, DrafterConfig
@@ -95,7 +96,7 @@ def test_train_context_tile_maps_onto_the_loss_and_refuses_a_negative_tile(tmp_p
         TrainConfig(**base, context_tile=-1)
 
 
-@pytest.mark.parametrize("tile", [32, 64, FLEX_TILE])
+@pytest.mark.parametrize("tile", MASK_TILES)
 def test_the_mask_tile_shapes_the_block_mask_and_the_context_padding(tile):
     """--mask-tile reaches the FlexAttention BlockMask (and context_tile 0 pads to it); the drafter is
     stopped at its input, since FlexAttention's backward needs a GPU."""
