@@ -4,6 +4,7 @@ metrics row is made of (named, all-reduced together)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -81,11 +82,15 @@ class LossSettings:
 
 
 def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, replay: bool = False,
-                 tree_budgets: tuple[int, ...] = ()) -> LossOut:
+                 tree_budgets: tuple[int, ...] = (), training_graph: bool = False) -> LossOut:
     """One micro-batch (already on the device): drafter forward and chunked loss (bf16 autocast on
     GPU); with `replay`, also the accepted drafts per block (LossOut "accepts"); for each of
     `tree_budgets`, also those of a draft tree of that many nodes ("tree_accepts": budget -> [b, N],
-    train.replay.tree_accepts), from the same forward."""
+    train.replay.tree_accepts), from the same forward.
+
+    training_graph: the drafter runs with autograd on even under no_grad, and its output is
+    detached. torch.compile guards on the grad mode, so a no_grad forward of a compiled drafter
+    compiles it a second time; this one reuses the graph the steps run."""
     taps = batch["hidden"]  # [b, T, K*H]: the tapped layers' states
     tile = loss.context_tile or (loss.mask_tile if loss.use_flex else 1)
     # keys past the last anchor are never seen, so padding the context changes nothing but where the
@@ -104,8 +109,11 @@ def forward_loss(model, batch: dict[str, torch.Tensor], loss: LossSettings, *, r
     core = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     with torch.autocast(taps.device.type, dtype=torch.bfloat16, enabled=taps.device.type == "cuda"):
         residual = getattr(torch, loss.residual) if loss.residual != "float32" else None
-        with distinct_sizes(loss.pad_shapes):  # [b, Q, H]: the real rows and anchors only
+        grad = torch.enable_grad() if training_graph else contextlib.nullcontext()
+        with grad, distinct_sizes(loss.pad_shapes):  # [b, Q, H]: the real rows and anchors only
             hidden = model(taps, ctx_pos, ids, pos, mask, residual)[:b, :q]
+        if training_graph:  # frees what autograd kept for a backward that never comes
+            hidden = hidden.detach()
         labels = core.labels(batch["labels"], IGNORE)  # [b, Q] lm_head rows
         mh, head_terms = core.markov_head, {}
         # each slot's true previous token, embedded: teacher forcing (train.markov_head)
@@ -228,7 +236,7 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
             stats.add_sum(p + name, 0)
     for i in range(min(limit, len(ds)) if limit else len(ds)):
         batch = to_device(ds[i], device)
-        out = forward_loss(model, batch, plain, replay=True, tree_budgets=tree_budgets)
+        out = forward_loss(model, batch, plain, replay=True, tree_budgets=tree_budgets, training_graph=True)
         stats.add(out, batch, by_weight=True)
         for p, accepts in zip(prefixes, (out["accepts"], *out.get("tree_accepts", {}).values())):
             _replay_sums(stats, p, (batch["anchors"], accepts, batch["anchor_span"]), groups,

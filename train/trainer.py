@@ -160,9 +160,9 @@ class Trainer:
             atomic_write_bytes(Path(cfg.out) / "config.toml", to_toml(cfg.to_dict()).encode())
         self._open_records(cfg)
         if self.held_out.ds is not None and (cfg.time_limit or cfg.schedule_seconds):
-            # a process's first held-out pass also compiles the drafter's no_grad graph: done here,
-            # before the step rate's first row, every pass the time limit keeps room for and the
-            # schedule plans is a steady one (else each is planned at the first one's cost)
+            # what a process's first held-out pass pays once (first kernel calls, a shape the steps
+            # have not met) falls before the step rate's first row: the passes the time limit keeps
+            # room for and the schedule plans are steady ones, not each at the first one's cost
             self.holdout_row(limit=1)
 
     def _open_records(self, cfg: TrainConfig) -> None:

@@ -13,7 +13,7 @@ from train.trainer import train
 
 def held_out_clock(monkeypatch, now: list[float], *, cost: float, compile_s: float) -> list[int]:
     """Each held-out evaluation moves the fake clock `cost` seconds, and a process's first one
-    (a new drafter's) `compile_s` more, as compiling its no_grad graph does; returns the batches
+    (a new drafter's) `compile_s` more, what a process's first pass pays once; returns the batches
     each evaluation read."""
     import train.trainer as trainer
 

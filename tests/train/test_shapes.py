@@ -13,7 +13,7 @@ from tests.train.test_step import DC
 from tests.train.test_step import _batch as make_batch
 from train.model import DFlashDrafter
 from train.shapes import distinct_sizes, min_anchors, padded_model_inputs
-from train.step import LossSettings, forward_backward, forward_loss
+from train.step import LossSettings, evaluate_holdout, forward_backward, forward_loss
 
 # varied micro-batches as the length buckets give them: (lengths, anchors); one row alone and so
 # few anchors that their queries fit one tile among them
@@ -95,6 +95,33 @@ def test_a_compiled_drafter_is_traced_once_over_every_bucket_shape(flex):
     assert _graphs(loss, backward=not flex) > 1
     torch._dynamo.reset()
 
+
+
+def test_the_held_out_pass_reuses_the_compiled_drafters_training_graph():
+    """evaluate_holdout runs the drafter with autograd on (and detaches its output): under no_grad a
+    compiled drafter is traced again (torch.compile guards on the grad mode), tens of seconds a
+    process on the GPU. Its figures are those of a no_grad forward, and it leaves no gradients."""
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for lens, n in SHAPES:
+        b = make_batch(g, lens=lens, n=n)
+        b["anchor_span"], b["sample_id"] = torch.where(b["anchors"] >= 0, 0, -1), torch.arange(len(lens))
+        batches.append(b)
+    torch.manual_seed(0)
+    model = DFlashDrafter(DC, torch.randn(300, 64, generator=g), torch.randn(300, 64, generator=g))
+    loss = LossSettings(block_size=DC.block_size, gamma=4.0, context_tile=0, pad_shapes=True)
+    eager = evaluate_holdout(model, batches, torch.device("cpu"), world=1, loss=loss, tree_budgets=(8,))
+    model.compile(dynamic=True, backend="eager")
+    forward_backward(model, batches[0], loss)
+    grads = [p.grad.clone() for p in model.parameters()]
+    row = evaluate_holdout(model, batches, torch.device("cpu"), world=1, loss=loss, tree_budgets=(8,))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    assert all(torch.equal(p.grad, g0) for p, g0 in zip(model.parameters(), grads))
+    assert row["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-5)
+    assert row["val_decode_tau"] == eager["val_decode_tau"] and row["val_tree_tau"] == eager["val_tree_tau"]
+    torch._dynamo.reset()
 
 def test_distinct_sizes_restores_torchs_setting():
     import torch.fx.experimental._config as fx_config
