@@ -236,7 +236,8 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
             stats.add_sum(p + name, 0)
     for i in range(min(limit, len(ds)) if limit else len(ds)):
         batch = to_device(ds[i], device)
-        out = forward_loss(model, batch, plain, replay=True, tree_budgets=tree_budgets, training_graph=True)
+        out = forward_loss(model, batch, plain, replay=True, tree_budgets=tree_budgets,
+                           training_graph=True)
         stats.add(out, batch, by_weight=True)
         for p, accepts in zip(prefixes, (out["accepts"], *out.get("tree_accepts", {}).values())):
             _replay_sums(stats, p, (batch["anchors"], accepts, batch["anchor_span"]), groups,
