@@ -36,9 +36,8 @@ FLEX_KERNEL_NAMES = ("default", "tuned")
 # The drafter's residual stream under autocast (train.model.DFlashDrafter.draft).
 RESIDUAL_DTYPES = ("float32", "bfloat16")
 # FlexAttention BlockMask tiles (train.masks): inductor's one default kernel takes 128-row tiles, so
-# a smaller one needs the autotuned modes, whose candidates include 32- and 64-row kernels.
-# inductor's FlexAttention kernels under max-autotune need the mask's tile to be a multiple of their
-# own BLOCK_M and BLOCK_N; a 32-row tile is not (torch 2.11 refuses it while lowering, on the GPU)
+# a smaller one needs the autotuned modes. Their kernels need the tile to be a multiple of their own
+# BLOCK_M and BLOCK_N, which a 32-row tile is not (torch 2.11 refuses it while lowering on a GPU).
 MASK_TILES = (64, 128)
 
 @dataclass(frozen=True, kw_only=True)

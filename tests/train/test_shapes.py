@@ -96,11 +96,10 @@ def test_a_compiled_drafter_is_traced_once_over_every_bucket_shape(flex):
     torch._dynamo.reset()
 
 
-
 def test_the_held_out_pass_reuses_the_compiled_drafters_training_graph():
     """evaluate_holdout runs the drafter with autograd on (and detaches its output): under no_grad a
-    compiled drafter is traced again (torch.compile guards on the grad mode), tens of seconds a
-    process on the GPU. Its figures are those of a no_grad forward, and it leaves no gradients."""
+    compiled drafter is traced again (torch.compile guards on the grad mode), a second compile in
+    every process. Its figures are those of a no_grad forward, and it leaves no gradients."""
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     g = torch.Generator().manual_seed(1)
@@ -122,6 +121,7 @@ def test_the_held_out_pass_reuses_the_compiled_drafters_training_graph():
     assert row["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-5)
     assert row["val_decode_tau"] == eager["val_decode_tau"] and row["val_tree_tau"] == eager["val_tree_tau"]
     torch._dynamo.reset()
+
 
 def test_distinct_sizes_restores_torchs_setting():
     import torch.fx.experimental._config as fx_config
