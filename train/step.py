@@ -209,7 +209,8 @@ def _tau_keys(s: _Reduced, prefix: str, name: str, groups) -> dict[str, Any]:
 @torch.no_grad()
 def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.device, *, world: int,
                      loss: LossSettings, groups: dict[str, torch.Tensor] | None = None,
-                     tree_budgets: tuple[int, ...] = (), limit: int = 0) -> dict[str, Any]:
+                     tree_budgets: tuple[int, ...] = (), limit: int = 0,
+                     training_graph: bool = False) -> dict[str, Any]:
     """Over the held-out micro-batches (the first `limit`, 0: all; all ranks; an anchor at every
     response position): the teacher-forced loss, per-slot accuracy and sim_tau, and
     val_decode_tau, speculative decoding replayed along the stored responses
@@ -222,7 +223,9 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     tree_budgets: the same for decoding that verifies a draft tree of that many nodes per step
     (train.replay.tree_accepts), from the same forwards: the first budget's as val_tree_budget,
     val_tree_tau, val_tree_tau_96 (and _by_domain); with several, every budget's in
-    val_tree_curve."""
+    val_tree_curve.
+    training_graph: forward_loss's, for a drafter compiled for its steps (an eager one gains nothing
+    from it and would keep autograd's tensors for the forward's length)."""
     model.eval()
     # no backward here
     plain = dataclasses.replace(loss, backward="fused", compiled=False, weighting=Weighting())
@@ -237,7 +240,7 @@ def evaluate_holdout(model: DFlashDrafter, ds: BatchDataset, device: torch.devic
     for i in range(min(limit, len(ds)) if limit else len(ds)):
         batch = to_device(ds[i], device)
         out = forward_loss(model, batch, plain, replay=True, tree_budgets=tree_budgets,
-                           training_graph=True)
+                           training_graph=training_graph)
         stats.add(out, batch, by_weight=True)
         for p, accepts in zip(prefixes, (out["accepts"], *out.get("tree_accepts", {}).values())):
             _replay_sums(stats, p, (batch["anchors"], accepts, batch["anchor_span"]), groups,

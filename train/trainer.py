@@ -160,9 +160,8 @@ class Trainer:
             atomic_write_bytes(Path(cfg.out) / "config.toml", to_toml(cfg.to_dict()).encode())
         self._open_records(cfg)
         if self.held_out.ds is not None and (cfg.time_limit or cfg.schedule_seconds):
-            # what a process's first held-out pass pays once (first kernel calls, a shape the steps
-            # have not met) falls before the step rate's first row: the passes the time limit keeps
-            # room for and the schedule plans are steady ones, not each at the first one's cost
+            # what a first held-out pass pays once falls before the step rate's first row: the time
+            # limit's room and the schedule's plan count steady passes, not the first one's cost
             self.holdout_row(limit=1)
 
     def _open_records(self, cfg: TrainConfig) -> None:
@@ -267,10 +266,11 @@ class Trainer:
 
     def holdout_row(self, limit: int = 0) -> dict[str, Any]:
         """The held-out figures over the first `limit` micro-batches (0: all)."""
-        budget = self.cfg.val_tree_budget
-        return evaluate_holdout(self.model, self.held_out.ds, self.device, world=self.world_size,
-                                loss=self.loss, groups=self.held_out.groups,
-                                tree_budgets=(budget,) if budget else (), limit=limit)
+        c, held = self.cfg, self.held_out
+        trees = (c.val_tree_budget,) if c.val_tree_budget else ()
+        return evaluate_holdout(self.model, held.ds, self.device, world=self.world_size,
+                                loss=self.loss, groups=held.groups, tree_budgets=trees,
+                                limit=limit, training_graph=c.compile)
 
     def save(self) -> None:
         """A step-N checkpoint that resumes at the state's (epoch, step in epoch); once per step."""

@@ -97,9 +97,10 @@ def test_a_compiled_drafter_is_traced_once_over_every_bucket_shape(flex):
 
 
 def test_the_held_out_pass_reuses_the_compiled_drafters_training_graph():
-    """evaluate_holdout runs the drafter with autograd on (and detaches its output): under no_grad a
-    compiled drafter is traced again (torch.compile guards on the grad mode), a second compile in
-    every process. Its figures are those of a no_grad forward, and it leaves no gradients."""
+    """evaluate_holdout with training_graph (a compiled run's trainer asks for it) runs the drafter
+    with autograd on and detaches its output: under no_grad a compiled drafter is traced again
+    (torch.compile guards on the grad mode), a second compile in every process. Its figures are
+    those of a no_grad forward, and it leaves no gradients."""
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     g = torch.Generator().manual_seed(1)
@@ -115,7 +116,8 @@ def test_the_held_out_pass_reuses_the_compiled_drafters_training_graph():
     model.compile(dynamic=True, backend="eager")
     forward_backward(model, batches[0], loss)
     grads = [p.grad.clone() for p in model.parameters()]
-    row = evaluate_holdout(model, batches, torch.device("cpu"), world=1, loss=loss, tree_budgets=(8,))
+    row = evaluate_holdout(model, batches, torch.device("cpu"), world=1, loss=loss, tree_budgets=(8,),
+                           training_graph=True)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
     assert all(torch.equal(p.grad, g0) for p, g0 in zip(model.parameters(), grads))
     assert row["val_loss"] == pytest.approx(eager["val_loss"], rel=1e-5)

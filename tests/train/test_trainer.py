@@ -322,3 +322,18 @@ def test_follow_mode_trains_from_object_storage_while_stage_one_mirrors(tmp_path
     assert res["finalized"] and res["samples_last_epoch"] == 60
     rows = metric_rows(tmp_path / "run")
     assert rows and rows[0]["epoch"] == 0 and rows[-1]["epoch"] == 2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_runs_held_out_pass_reuses_the_training_graph(store, tmp_path, monkeypatch, compiled):
+    # the trainer asks evaluate_holdout for the steps' graph (tests/train/test_shapes.py) exactly when
+    # it compiled the drafter: an eager drafter would only keep autograd's tensors for nothing
+    import train.trainer as trainer
+    from train.model import DFlashDrafter
+
+    monkeypatch.setattr(DFlashDrafter, "compile_layers", lambda self, *a: None)  # the flag, not inductor
+    real, asked = trainer.evaluate_holdout, []
+    monkeypatch.setattr(trainer, "evaluate_holdout",
+                        lambda *a, **k: asked.append(k["training_graph"]) or real(*a, **k))
+    train(train_cfg(store, tmp_path / "r", max_steps=4, val_samples=4, val_every=2, compile=compiled))
+    assert asked and set(asked) == {compiled}
