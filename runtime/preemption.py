@@ -13,8 +13,11 @@ import time
 
 __all__ = ["Preemption", "from_the_start"]
 
-# how long a signalled DataLoader worker waits for its main process to note the same signal
-WORKER_GRACE_S = 3.0
+# how long a signalled DataLoader worker waits for its main process to note the same signal. The
+# main thread runs its handler only when it next runs Python: where the kernel gave the signal to
+# another of its threads while it waits on the DataLoader's queue, that is when the queue's poll
+# times out (5 s, torch's MP_STATUS_CHECK_INTERVAL), later still on a loaded machine
+WORKER_GRACE_S = 20.0
 
 
 class Preemption:

@@ -50,3 +50,27 @@ def test_workers_follow_the_outer_context_once_the_inner_one_is_closed():
         os.kill(os.getpid(), signal.SIGTERM)
         assert alone.stopping.value == 1
     assert alone.stopping.value == 0  # closed with no outer one: a later signal ends the workers as usual
+
+
+def test_a_signalled_worker_outlives_the_longest_wait_of_its_main_process_and_then_goes_on():
+    # the main process notes a group signal only when its main thread next runs Python: where the
+    # signal lands on another of its threads while it waits on the DataLoader's queue, that is the
+    # queue's poll interval later. A worker signalled with it must still be alive then.
+    import multiprocessing
+    import time
+
+    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
+
+    def worker(p: Preemption, done) -> None:
+        p.worker_init(0)
+        os.kill(os.getpid(), signal.SIGTERM)  # returns once the main process marks `stopping`
+        done.value = 1
+
+    with Preemption() as p:
+        done = multiprocessing.get_context("fork").Value("b", 0, lock=False)
+        child = multiprocessing.get_context("fork").Process(target=worker, args=(p, done))
+        child.start()
+        time.sleep(MP_STATUS_CHECK_INTERVAL + 0.5)  # the main process, late
+        p.stopping.value = 1
+        child.join(timeout=30)
+    assert child.exitcode == 0 and done.value == 1
