@@ -136,9 +136,9 @@ class TrainConfig:
     time_limit: float = 0.0
     """Seconds this process may train (0 = no limit): the run stops at the last --log-every step
     whose closing held-out pass and checkpoint (timed as the longest so far, a resumed run's from
-    its checkpoint; the first held-out micro-batch runs before the first step, so compiling its
-    graph is not taken for a pass) still end within it, and exits 0; --resume continues it (for
-    job schedulers' time limits)."""
+    its checkpoint; the first held-out micro-batch runs before the first step, so what a first
+    pass pays once is not taken for a pass's cost) still end within it, and exits 0; --resume
+    continues it (for job schedulers' time limits)."""
     schedule_seconds: float = 0.0
     """Fit the cosine to this many seconds of this process, compilation and held-out passes
     included (0 = by steps): at every --log-every row the run's steps are planned anew as those

@@ -66,9 +66,10 @@ def test_a_signalled_worker_outlives_the_longest_wait_of_its_main_process_and_th
         os.kill(os.getpid(), signal.SIGTERM)  # returns once the main process marks `stopping`
         done.value = 1
 
+    fork = multiprocessing.get_context("fork")
     with Preemption() as p:
-        done = multiprocessing.get_context("fork").Value("b", 0, lock=False)
-        child = multiprocessing.get_context("fork").Process(target=worker, args=(p, done))
+        done = fork.Value("b", 0, lock=False)
+        child = fork.Process(target=worker, args=(p, done))
         child.start()
         time.sleep(MP_STATUS_CHECK_INTERVAL + 0.5)  # the main process, late
         p.stopping.value = 1
