@@ -12,6 +12,12 @@
 #                                       # held-out curve and the best checkpoint on the evaluation's formats
 #   bash scripts/scale_run.sh train     # 5-layer drafter, DDP over all GPUs, resumes from its checkpoints;
 #                                       # it ends with `pack`: a lost machine loses one call, not the run
+#                                       # DETACH=S: the trainer runs in a session of its own that outlives
+#                                       # this shell (one process for a run longer than a call: one compile,
+#                                       # no resume); the stage follows it S seconds, then packs and returns
+#   bash scripts/scale_run.sh follow    # FOLLOW=S (default 540): follows the detached trainer S seconds
+#                                       # more; exit 0 and the train stage's report once it has ended,
+#                                       # 3 while it still runs (after a pack of its latest checkpoint)
 #   bash scripts/scale_run.sh together  # SIDES="NAME=TRAIN_ARGS;NAME=...": those runs at once on the one card, each
 #                                       # in $W/NAME (resumed where it has checkpoints), for τ at equal steps
 #                                       # (their rates share the card: not figures); NAME_metrics.jsonl and
@@ -68,6 +74,26 @@ pack() {  # metrics, eval.json, log tail and the drafter's bf16 export into $OUT
   grep -h -A3 "Recompiling" "$W/train.log" | cut -c1-400 > "$out/recompiles.txt" 2>/dev/null
   ls -la "$out"
 }
+trained() {  # the train stage's report, once its trainer has ended
+  echo "train exit $(cat "$W/train.rc")"
+  tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
+  grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | python3 -c 'import json,sys
+for line in sys.stdin: r = json.loads(line); print({k: v for k, v in r.items() if k != "val_acc"})'
+  # a machine lost between calls takes /root and /dev/shm with it: bring this call's drafter back now
+  pack > /dev/null
+}
+follow() {  # S: wait up to S seconds for the detached trainer of `train` with DETACH
+  local end=$(( $(date +%s) + $1 )) pid
+  pid=$(cat "$W/train.pid" 2>/dev/null) || { echo "follow: no detached trainer in $W" >&2; return 2; }
+  while [ ! -f "$W/train.rc" ] && [ "$(date +%s)" -lt "$end" ]; do
+    kill -0 "$pid" 2> /dev/null || break  # gone without an exit status: killed from outside
+    sleep 2
+  done
+  if [ -f "$W/train.rc" ]; then trained; return 0; fi
+  kill -0 "$pid" 2> /dev/null || { echo "follow: trainer $pid ended without an exit status" >&2; return 1; }
+  echo "trainer $pid still running; its last row:"; grep -v val_loss "$RUN/metrics.jsonl" 2>/dev/null | tail -n 1 | cut -c1-300
+  pack > /dev/null; return 3
+}
 export_dir() { echo "$W/x-$(basename "$1")"; }  # where export_run puts a run's export
 is_export() { [ -f "$1/model.safetensors" ]; }  # an export directory (decoded as it is), not a run
 export_run() {  # a run's export beside the others, in export_dir (STEP: its step-N checkpoint); prints its path
@@ -120,18 +146,29 @@ PY
 train)
   resume=(); [ -d "$RUN/checkpoints" ] && resume=(--resume)
   held=(--val-samples "${VAL:-1000}"); [ -n "${VAL_STORE:-}" ] && held=(--val-samples 0 --val-store "$VAL_STORE")
-  TORCH_LOGS=${TORCH_LOGS-recompiles} timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml \
-    --store "$STORE" --out "$RUN" --max-steps "${STEPS:-10000}" --time-limit "${TLIM:-480}" --lr "${LR:-1.2e-3}" \
-    --token-budget "${TOKENS:-16384}" "${held[@]}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}" \
-    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile --compile-scope layers --ce-kernel torch) "${resume[@]}" \
-    ${TRAIN_ARGS:-} > "$W/train.log" 2>&1  # a CPU dry run compiles nothing (the preset's whole-graph scope
-  # needs --compile) and has no Triton for the preset's Liger kernel
-  echo "train exit $?"
-  tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
-  grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | python3 -c 'import json,sys
-for line in sys.stdin: r = json.loads(line); print({k: v for k, v in r.items() if k != "val_acc"})'
-  # a machine lost between calls takes /root and /dev/shm with it: bring this call's drafter back now
-  pack > /dev/null;;
+  # a CPU dry run compiles nothing (the preset's whole-graph scope needs --compile) and has no Triton
+  # for the preset's Liger kernel
+  cmd=(timeout $(( ${TLIM:-480} + 120 )) "${L[@]}" -m train --config configs/smollm2-h200/train.toml
+    --store "$STORE" --out "$RUN" --max-steps "${STEPS:-10000}" --time-limit "${TLIM:-480}" --lr "${LR:-1.2e-3}"
+    --token-budget "${TOKENS:-16384}" "${held[@]}" --workers "${WORKERS:-6}" --verify-shards "${VERIFY:-on}"
+    $([ "$GPU" = 1 ] && echo --compile || echo --no-compile --compile-scope layers --ce-kernel torch) "${resume[@]}"
+    ${TRAIN_ARGS:-})
+  export TORCH_LOGS=${TORCH_LOGS-recompiles}
+  if kill -0 "$(cat "$W/train.pid" 2>/dev/null)" 2> /dev/null; then
+    echo "train: the detached trainer $(cat "$W/train.pid") still runs in $W: follow it" >&2; exit 2
+  fi
+  rm -f "$W/train.rc" "$W/train.pid"
+  if [ -n "${DETACH:-}" ]; then
+    # setsid: a session of its own, which the end of this shell (or of a device call) does not end;
+    # its exit status lands in train.rc, which `follow` waits for
+    setsid bash -c '"$@" > "$0.log" 2>&1; echo $? > "$0.rc"' "$W/train" "${cmd[@]}" < /dev/null > /dev/null 2>&1 &
+    echo $! > "$W/train.pid"
+    follow "$DETACH"
+  else
+    "${cmd[@]}" > "$W/train.log" 2>&1; echo $? > "$W/train.rc"
+    trained
+  fi;;
+follow) follow "${FOLLOW:-540}";;
 eval)  # the export as served (bf16 weights through AutoModel) of the best checkpoint; EVAL_ARGS: more
   # train.eval options, e.g. --no-prompt-lookup (the second baseline is a third of the time); EVAL_TOKENS: new
   # tokens per answer (96: the goal's figures; longer answers of the small target loop, which inflates τ)
@@ -261,5 +298,5 @@ together)  # the call also holds each run's setup before its trainer starts and 
     echo "== $n"; tail -n 3 "$W/$n.out"
   done;;
 pack) pack;;
-*) echo "stage must be formats, extract, valstore, train, together, eval, evals, peers or pack" >&2; exit 2;;
+*) echo "stage must be formats, extract, valstore, train, follow, together, eval, evals, peers or pack" >&2; exit 2;;
 esac
