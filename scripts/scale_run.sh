@@ -75,7 +75,8 @@ pack() {  # metrics, eval.json, log tail and the drafter's bf16 export into $OUT
   ls -la "$out"
 }
 trained() {  # the train stage's report, once its trainer has ended
-  echo "train exit $(cat "$W/train.rc")"
+  # the wall seconds from the stage's start to the trainer's end: the run's GPU time for training
+  echo "train exit $(cat "$W/train.rc") after $(( $(stat -c %Y "$W/train.rc") - $(cat "$W/train.start") )) s"
   tr '\r' '\n' < "$W/train.log" | grep -v '^\s*$' | tail -n 5
   grep val_loss "$RUN/metrics.jsonl" | tail -n 2 | python3 -c 'import json,sys
 for line in sys.stdin: r = json.loads(line); print({k: v for k, v in r.items() if k != "val_acc"})'
@@ -157,7 +158,7 @@ train)
   if kill -0 "$(cat "$W/train.pid" 2>/dev/null)" 2> /dev/null; then
     echo "train: the detached trainer $(cat "$W/train.pid") still runs in $W: follow it" >&2; exit 2
   fi
-  rm -f "$W/train.rc" "$W/train.pid"
+  rm -f "$W/train.rc" "$W/train.pid"; date +%s > "$W/train.start"
   if [ -n "${DETACH:-}" ]; then
     # setsid: a session of its own, which the end of this shell (or of a device call) does not end;
     # its exit status lands in train.rc, which `follow` waits for
