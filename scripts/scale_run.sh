@@ -161,8 +161,9 @@ train)
   rm -f "$W/train.rc" "$W/train.pid"; date +%s > "$W/train.start"
   if [ -n "${DETACH:-}" ]; then
     # setsid: a session of its own, which the end of this shell (or of a device call) does not end;
-    # its exit status lands in train.rc, which `follow` waits for
-    setsid bash -c '"$@" > "$0.log" 2>&1; echo $? > "$0.rc"' "$W/train" "${cmd[@]}" < /dev/null > /dev/null 2>&1 &
+    # its exit status lands in train.rc (whole: renamed into place), which `follow` waits for
+    setsid bash -c '"$@" > "$0.log" 2>&1; echo $? > "$0.rc.tmp"; mv "$0.rc.tmp" "$0.rc"' "$W/train" "${cmd[@]}" \
+      < /dev/null > /dev/null 2>&1 &
     echo $! > "$W/train.pid"
     follow "$DETACH"
   else
