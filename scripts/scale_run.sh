@@ -93,7 +93,7 @@ follow() {  # S: wait up to S seconds for the detached trainer of `train` with D
   if [ -f "$W/train.rc" ]; then trained; return 0; fi
   kill -0 "$pid" 2> /dev/null || { echo "follow: trainer $pid ended without an exit status" >&2; return 1; }
   echo "trainer $pid still running; its last row:"; grep -v val_loss "$RUN/metrics.jsonl" 2>/dev/null | tail -n 1 | cut -c1-300
-  pack > /dev/null; return 3
+  pack > /dev/null 2>&1; return 3  # (an export before the first checkpoint fails: nothing to pack yet)
 }
 export_dir() { echo "$W/x-$(basename "$1")"; }  # where export_run puts a run's export
 is_export() { [ -f "$1/model.safetensors" ]; }  # an export directory (decoded as it is), not a run
