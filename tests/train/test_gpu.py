@@ -174,6 +174,40 @@ def test_the_whole_graph_compile_makes_one_graph_across_the_mix_order_thresholds
     torch._dynamo.reset()
 
 
+def test_the_held_out_pass_adds_no_graph_to_the_whole_graph_compile():
+    # a compiled run's held-out pass (training_graph: autograd on, output detached) runs the graph
+    # the steps compiled; under no_grad it was traced and compiled again, once in every process
+    import torch._dynamo.utils as dynamo_utils
+
+    from bench.recompile_bench import micro_batch
+    from train.step import evaluate_holdout
+
+    g = torch.Generator().manual_seed(0)
+    dc = DrafterConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       vocab_size=500, num_taps=3, block_size=8, mask_token_id=499)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    model = DFlashDrafter(dc, torch.randn(500, 128, generator=g), torch.randn(500, 128, generator=g)).cuda()
+    model.compile_layers("default", "model")
+    loss = LossSettings(block_size=8, gamma=4.0, use_flex=True, context_tile=0, pad_shapes=True, compiled=True,
+                        flex_kernel="tuned")
+    for rows, length, anchors in ((16, 512, 64), (4, 300, 32)):
+        forward_backward(model, micro_batch(dc, rows, length, anchors, g, torch.device("cuda")), loss)
+        model.zero_grad(set_to_none=True)
+    held = []
+    for rows, length in ((6, 200), (3, 260)):  # an anchor at every answer position but the last
+        b = micro_batch(dc, rows, length, length - 1, g, torch.device("cuda"))
+        b["anchor_span"] = torch.where(b["anchors"] >= 0, 0, -1)
+        b["sample_id"] = torch.arange(rows, device="cuda")
+        held.append(b)
+    row = evaluate_holdout(model, held, torch.device("cuda"), world=1, loss=loss, tree_budgets=(8,),
+                           training_graph=True)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    assert all(p.grad is None for p in model.parameters())
+    assert row["val_tree_tau"] >= row["val_decode_tau"] >= 1.0
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(("compiled", "ce_kernel", "position"), [
     (False, "torch", "decay"), (False, "torch", "reach"), ("default:model", "torch", "reach"),
     ("default:model", "liger", "reach")])
