@@ -156,6 +156,19 @@ def test_the_whole_graph_compile_makes_one_graph_across_the_mix_order_thresholds
     # elements, 4,096 rows; micro-batches above and below them would each get a graph of their own
     import torch._dynamo.utils as dynamo_utils
 
+    loss = LossSettings(block_size=8, gamma=4.0, use_flex=True, context_tile=0, pad_shapes=True)
+    # rows x context x anchors: 51,200 queries x 128 hidden (over 5 Mi), then one row, then a few anchors
+    _trained_whole_graph(loss, ((16, 1024, 400), (1, 700, 40), (3, 200, 4), (40, 400, 200)))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def _trained_whole_graph(loss: LossSettings, shapes) -> tuple:
+    """(config, drafter, generator): a small drafter compiled as one graph (--compile-scope model),
+    dynamo's counters cleared first, then a training step on a micro-batch of each (rows, context,
+    anchors) of `shapes`."""
+    import torch._dynamo.utils as dynamo_utils
+
     from bench.recompile_bench import micro_batch
 
     g = torch.Generator().manual_seed(0)
@@ -165,13 +178,10 @@ def test_the_whole_graph_compile_makes_one_graph_across_the_mix_order_thresholds
     dynamo_utils.counters.clear()
     model = DFlashDrafter(dc, torch.randn(500, 128, generator=g), torch.randn(500, 128, generator=g)).cuda()
     model.compile_layers("default", "model")
-    loss = LossSettings(block_size=8, gamma=4.0, use_flex=True, context_tile=0, pad_shapes=True)
-    # rows x context x anchors: 51,200 queries x 128 hidden (over 5 Mi), then one row, then a few anchors
-    for rows, length, anchors in ((16, 1024, 400), (1, 700, 40), (3, 200, 4), (40, 400, 200)):
+    for rows, length, anchors in shapes:
         forward_backward(model, micro_batch(dc, rows, length, anchors, g, torch.device("cuda")), loss)
         model.zero_grad(set_to_none=True)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
-    torch._dynamo.reset()
+    return dc, model, g
 
 
 def test_the_held_out_pass_adds_no_graph_to_the_whole_graph_compile():
@@ -182,18 +192,9 @@ def test_the_held_out_pass_adds_no_graph_to_the_whole_graph_compile():
     from bench.recompile_bench import micro_batch
     from train.step import evaluate_holdout
 
-    g = torch.Generator().manual_seed(0)
-    dc = DrafterConfig(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                       vocab_size=500, num_taps=3, block_size=8, mask_token_id=499)
-    torch._dynamo.reset()
-    dynamo_utils.counters.clear()
-    model = DFlashDrafter(dc, torch.randn(500, 128, generator=g), torch.randn(500, 128, generator=g)).cuda()
-    model.compile_layers("default", "model")
     loss = LossSettings(block_size=8, gamma=4.0, use_flex=True, context_tile=0, pad_shapes=True, compiled=True,
                         flex_kernel="tuned")
-    for rows, length, anchors in ((16, 512, 64), (4, 300, 32)):
-        forward_backward(model, micro_batch(dc, rows, length, anchors, g, torch.device("cuda")), loss)
-        model.zero_grad(set_to_none=True)
+    dc, model, g = _trained_whole_graph(loss, ((16, 512, 64), (4, 300, 32)))
     held = []
     for rows, length in ((6, 200), (3, 260)):  # an anchor at every answer position but the last
         b = micro_batch(dc, rows, length, length - 1, g, torch.device("cuda"))
