@@ -195,6 +195,8 @@ def test_the_held_out_pass_adds_no_graph_to_the_whole_graph_compile():
     loss = LossSettings(block_size=8, gamma=4.0, use_flex=True, context_tile=0, pad_shapes=True, compiled=True,
                         flex_kernel="tuned")
     dc, model, g = _trained_whole_graph(loss, ((16, 512, 64), (4, 300, 32)))
+    # the drafter's graph and the compiled loss's own (compiled=True: its per-chunk gradient)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     held = []
     for rows, length in ((6, 200), (3, 260)):  # an anchor at every answer position but the last
         b = micro_batch(dc, rows, length, length - 1, g, torch.device("cuda"))
@@ -203,9 +205,12 @@ def test_the_held_out_pass_adds_no_graph_to_the_whole_graph_compile():
         held.append(b)
     row = evaluate_holdout(model, held, torch.device("cuda"), world=1, loss=loss, tree_budgets=(8,),
                            training_graph=True)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
     assert all(p.grad is None for p in model.parameters())
     assert row["val_tree_tau"] >= 1.0 and row["val_decode_tau"] >= 1.0
+    # and the count sees a graph when one is made: under no_grad the drafter compiles again
+    evaluate_holdout(model, held[:1], torch.device("cuda"), world=1, loss=loss, training_graph=False)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] > graphs
     torch._dynamo.reset()
 
 
