@@ -54,7 +54,8 @@ def resumed_state(cfg: TrainConfig, model: DFlashDrafter, opt: torch.optim.Optim
         sched.load_state_dict(opt_state["scheduler"])
         state = TrainState(step=saved["step"], epoch=saved["epoch"],
                            in_epoch=saved["step_in_epoch"], planned=saved.get("planned_steps", 0),
-                           pause_s=saved.get("pause_seconds", 0.0))
+                           pause_s=saved.get("pause_seconds", 0.0),
+                           pass_s=saved.get("pass_seconds", 0.0))
         if cfg.resume_from:  # the next resume would take the later step-N as the newest
             if rank == 0:
                 set_aside_after(cfg.out, state.step)

@@ -36,9 +36,19 @@ class TrainState:
     follows that plan until it has measured its own step rate, not the --max-steps cap."""
     pause_s: float = 0.0
     """The longest held-out pass + checkpoint of the run so far (its checkpoint's): the room kept
-    before --time-limit and what --schedule-seconds plans for each pass, known to a resumed process
-    before its own first pass (0: none yet)."""
+    before --time-limit and for the closing pass, known to a resumed process before its own first
+    pass (0: none yet)."""
+    pass_s: float = 0.0
+    """The latest held-out pass + checkpoint (its checkpoint's): what --schedule-seconds plans for
+    each pass to come. Not the longest: a run's first pass pays one-time costs the steady ones do
+    not, and planning every pass at it shrinks the plan, which then creeps back pass by pass."""
     stop: str = ""
+
+    def paused(self, seconds: float, held_out: bool) -> None:
+        """A held-out pass and/or checkpoint took `seconds`: the longest so far, the latest pass."""
+        self.pause_s = max(self.pause_s, seconds)
+        if held_out:
+            self.pass_s = seconds
 
     def stopping(self, reason: str) -> None:
         if reason not in STOPS[1:]:

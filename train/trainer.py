@@ -181,8 +181,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ the steps
     def train_step(self, batches) -> None:
-        """One optimizer step over --grad-accum micro-batches from `batches` (gradients synced on
-        the last)."""
+        """One optimizer step over --grad-accum micro-batches of `batches` (synced at the last)."""
         cfg = self.cfg
         self.opt.zero_grad(set_to_none=True)
         for a in range(cfg.grad_accum):
@@ -213,21 +212,23 @@ class Trainer:
 
     def plan_steps(self) -> None:
         """--schedule-seconds: the run's steps planned anew (train.step.fitted_steps) from the step
-        rate since the first row and the longest pause so far (a resumed process: its checkpoint's
-        from the start); every rank plans alike from the slowest rank's figures."""
+        rate since the first row, each pass to come at the latest one's seconds and room for the
+        longest (a resumed process: its checkpoint's from the start); every rank plans alike from
+        the slowest rank's figures."""
         now = time.time()
         step_s = self.clock.step_seconds(now, self.step)
         if step_s is None:
             return
-        fig = torch.tensor([now - self.t_start, step_s], dtype=torch.float64, device=self.device)
+        fig = torch.tensor([now - self.t_start, step_s, self.state.pause_s, self.state.pass_s],
+                           dtype=torch.float64, device=self.device)
         if self.world_size > 1:
             dist.all_reduce(fig, op=dist.ReduceOp.MAX)
-        elapsed, step_s = fig.tolist()
+        elapsed, step_s, longest, latest = fig.tolist()
         every = self.cfg.val_every if self.held_out.ds is not None else 0
         # room for the closing pass, and for the one right after this row on a --val-every step
         pending = every > 0 and self.step % every == 0
-        left = self.cfg.schedule_seconds - elapsed - self.state.pause_s * (1 + pending)
-        self.total = fitted_steps(self.step, left, max(step_s, 1e-9), pause_s=self.state.pause_s,
+        left = self.cfg.schedule_seconds - elapsed - longest - latest * pending
+        self.total = fitted_steps(self.step, left, max(step_s, 1e-9), pause_s=latest,
                                   pause_every=every, cap=self.clock.cap)
         self.bar.total = self.total
 
@@ -286,6 +287,7 @@ class Trainer:
                                    "step_in_epoch": self.state.in_epoch,
                                    "config": self.cfg.to_dict(), **self.record,
                                    "pause_seconds": self.state.pause_s,
+                                   "pass_seconds": self.state.pass_s,
                                    **({"planned_steps": self.total}
                                       if self.cfg.schedule_seconds else {})})
         if self.world_size > 1:
@@ -324,22 +326,20 @@ class Trainer:
                         and any_rank_past(deadline, self.device, self.world_size)):
                     self.state.stopping("time limit")  # the closing checkpoint is this step's
                 if any_rank(self.preempt.requested(), self.device, self.world_size):
-                    # SIGTERM or SIGINT: the closing checkpoint is this step's
-                    self.state.stopping("signal")
+                    self.state.stopping("signal")  # SIGTERM, SIGINT: this step's checkpoint is last
             self.state.epoch, self.state.in_epoch = epoch, s_idx + 1
             t_pause = time.time()
-            if self.held_out.ds is not None and self.step % cfg.val_every == 0:
+            validated = self.held_out.ds is not None and self.step % cfg.val_every == 0
+            if validated:
                 self.validate(epoch)
                 if cfg.patience and self.held_out.stale >= cfg.patience:
-                    # the checkpoint below and the final one are this step's
-                    self.state.stopping("patience")
+                    self.state.stopping("patience")  # this step's checkpoint closes the run
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save()
             paused = time.time() - t_pause
             self.stats.pause(paused)  # a row rates training steps, not validation or saving
             self.clock.paused += paused
-            # the longest held-out pass + checkpoint so far
-            self.state.pause_s = max(self.state.pause_s, paused)
+            self.state.paused(paused, validated)
             if self.step >= self.total:
                 self.state.stopping("steps")
             if self.state.stop:

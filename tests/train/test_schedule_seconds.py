@@ -11,16 +11,19 @@ from train.step import fitted_steps
 from train.trainer import train
 
 
-def held_out_clock(monkeypatch, now: list[float], *, cost: float, compile_s: float) -> list[int]:
+def held_out_clock(monkeypatch, now: list[float], *, cost: float, compile_s: float,
+                   first_full_s: float = 0.0) -> list[int]:
     """Each held-out evaluation moves the fake clock `cost` seconds, and a process's first one
-    (a new drafter's) `compile_s` more, what a process's first pass pays once; returns the batches
-    each evaluation read."""
+    (a new drafter's) `compile_s` more, what a process's first pass pays once; the first whole pass
+    (not the warm-up's one micro-batch) `first_full_s` more, one-time costs the warm-up does not
+    take; returns the batches each evaluation read."""
     import train.trainer as trainer
 
     real, seen, limits = trainer.evaluate_holdout, set(), []
 
     def timed(model, *args, **kwargs):
-        now[0] += cost + (compile_s if id(model) not in seen else 0.0)
+        first_full = kwargs.get("limit", 0) == 0 and 0 not in limits
+        now[0] += cost + (compile_s if id(model) not in seen else 0.0) + (first_full_s if first_full else 0.0)
         seen.add(id(model))
         limits.append(kwargs.get("limit", 0))
         return real(model, *args, **kwargs)
@@ -56,6 +59,20 @@ def test_schedule_seconds_plans_each_held_out_pass_at_a_steady_ones_cost(store, 
     assert later == {res["steps"]} and res["steps"] == fitted_steps(0, 120 - 11 - 1, 1.0, pause_s=1.0,
                                                                      pause_every=10, cap=1000)
     assert rows[-1]["elapsed_s"] > 120 - 11
+
+
+def test_a_first_pass_slower_than_the_rest_moves_the_plan_once(store, tmp_path, monkeypatch):
+    # the first whole pass 5 s more than the steady 1 s (one-time costs the warm-up micro-batch does
+    # not take): the passes are planned at the latest one's seconds, so the plan moves at the second
+    # pass and then holds; planned at the longest, it crept up at every pass to come
+    now = trainer_clock(monkeypatch, slow="forward_backward", cost=1.0)
+    held_out_clock(monkeypatch, now, cost=1.0, compile_s=10.0, first_full_s=5.0)
+    res = train(train_cfg(store, tmp_path / "s", max_steps=1000, schedule_seconds=150, val_samples=4,
+                          val_every=10))
+    rows = [r for r in metric_rows(tmp_path / "s") if "loss" in r]
+    assert {r["planned_steps"] for r in rows if r["step"] > 20} == {res["steps"]}
+    # 11 s before the first step, the first pass 6 s, the others 1 s; room for the longest is kept
+    assert res["steps"] == fitted_steps(10, 150 - 11 - 10 - 6 - 6, 1.0, pause_s=1.0, pause_every=10, cap=1000)
 
 
 def test_a_resumed_run_plans_its_passes_from_its_checkpoint(store, tmp_path, monkeypatch):
