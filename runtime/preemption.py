@@ -4,6 +4,7 @@ stages; schedulers preempt with SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
@@ -79,10 +80,29 @@ class Preemption:
         for s, old in self._old.items():
             signal.signal(s, old)
 
+    @contextlib.contextmanager
+    def forking(self):
+        """Around the start of DataLoader workers (`iter(loader)`): SIGTERM and SIGINT held back in
+        this thread, so a worker forked now starts with them held back too, until its
+        `worker_init` has its handlers in place. torch's worker loop first installs a SIGTERM
+        handler of its own (it dies at once unless its parent sent the signal), and a group signal
+        that landed before `worker_init` killed the worker while the main process was stopping
+        gracefully. A signal meanwhile waits, it is not lost."""
+        if not self.enabled or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
     def worker_init(self, _worker_id: int) -> None:
-        """A DataLoader worker's init: SIGTERM and SIGINT follow `stopping` (class docstring)."""
+        """A DataLoader worker's init: SIGTERM and SIGINT follow `stopping` (class docstring), then
+        let through (held back since the fork, `forking`: one that came meanwhile arrives now)."""
         for s in self.SIGNALS:
             signal.signal(s, self._worker_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
 
     def _worker_signal(self, signum: int, _frame) -> None:
         # the main process, signalled with the group, marks `stopping` when its main thread next

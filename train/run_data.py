@@ -112,7 +112,8 @@ class RunData:
                                          persistent_workers=False,
                                          worker_init_fn=(self.preempt.worker_init if workers
                                                          else None))
-        return steps, iter(dl)
+        with self.preempt.forking():  # the workers fork here
+            return steps, iter(dl)
 
     def holdout_set(self) -> tuple[BatchDataset | None, dict[str, torch.Tensor]]:
         """The held-out micro-batches of this rank (None without a held-out set) and, where its

@@ -3,8 +3,11 @@ and a signal the launcher ignores left ignored."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+
+import pytest
 
 from runtime.preemption import Preemption
 
@@ -75,3 +78,34 @@ def test_a_signalled_worker_outlives_the_longest_wait_of_its_main_process_and_th
         p.stopping.value = 1
         child.join(timeout=30)
     assert child.exitcode == 0 and done.value == 1
+
+
+def _worker_signalled_before_its_init(p: Preemption, done) -> None:
+    import torch
+
+    torch._C._set_worker_signal_handlers()  # what torch's worker loop installs before worker_init
+    os.kill(os.getpid(), signal.SIGTERM)  # the group's signal, before the worker's init
+    p.worker_init(0)
+    # let through and taken by worker_init's handler (which returned once `stopping` was marked)
+    taken = signal.SIGTERM not in signal.sigpending() | signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    done.value = 1 if taken else 2
+
+
+@pytest.mark.parametrize("held_back", [True, False])
+def test_a_worker_signalled_before_its_init_outlives_it_where_the_fork_held_signals_back(held_back):
+    # torch's worker loop installs its own SIGTERM handler (death unless its parent sent it) before
+    # worker_init: a group SIGTERM in that window killed the worker during a graceful stop.
+    # Forked under `forking`, the signal waits for worker_init's handlers; forked without, the
+    # worker dies of it (the window is real)
+    import multiprocessing
+
+    fork = multiprocessing.get_context("fork")
+    with Preemption() as p:
+        done = fork.Value("b", 0, lock=False)
+        child = fork.Process(target=_worker_signalled_before_its_init, args=(p, done))
+        with p.forking() if held_back else contextlib.nullcontext():
+            child.start()
+        assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # restored here
+        p.stopping.value = 1  # the main process noted the signal
+        child.join(timeout=30)
+    assert (child.exitcode, done.value) == ((0, 1) if held_back else (-signal.SIGTERM, 0))
